@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` (set up, run the main job) and `make test`.
+# Python 3.12 runs the project; a separate Python 3.11 venv holds the CPU torch + transformers
+# reference that the tests compare against.
+export PYENV_VERSION ?= 3.12.1:3.11.7
+PY312 ?= python3.12
+PY311 ?= python3.11
+VENV := .venv
+REF := .venv-ref
+PIP_FLAGS := -q --disable-pip-version-check
+
+.PHONY: setup demo test clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PY312) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) --upgrade pip
+	$(VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev]'
+	touch $@
+
+$(REF)/.installed: tests/requirements-ref.txt
+	$(PY311) -m venv $(REF)
+	$(REF)/bin/pip install $(PIP_FLAGS) -r tests/requirements-ref.txt
+	touch $@
+
+setup: $(VENV)/.installed $(REF)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python experiments/score_demo.py
+
+test: $(VENV)/.installed $(REF)/.installed
+	FP8RL_REF_PYTHON=$(abspath $(REF))/bin/python $(VENV)/bin/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) $(REF) runs

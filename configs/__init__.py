@@ -1,0 +1,1 @@
+"""Configuration presets (frozen dataclasses; sweeps derive by ``dataclasses.replace``)."""

@@ -1,0 +1,142 @@
+"""The ``fp8rl`` command line.
+
+  fp8rl score --model DIR --tokens IN.npy --out OUT.npy [--dtype float32|bfloat16] [--fp8 none|w8a8|kv|all]
+
+``score`` writes float32 logits [B, T, V] for int32 tokens [B, T] (full-sequence causal forward,
+positions 0..T-1 in every row). Any bad input (missing folder, malformed checkpoint, token ids
+outside the vocabulary, sequences longer than the model's limit) prints ``error: ...`` and exits
+with status 2 without writing the output; the output is written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fp8rl_jax.models.policy import Fp8Mode
+
+EXIT_BAD_INPUT = 2
+
+
+class CliError(Exception):
+    """A user-facing error: printed as ``error: <message>``, exit status 2."""
+
+
+def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_tokens(path: Path, vocab_size: int, max_len: int) -> np.ndarray:
+    try:
+        tokens = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise CliError(f"--tokens {path}: file not found") from None
+    except ValueError as e:
+        raise CliError(f"--tokens {path}: not a .npy array ({e})") from None
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise CliError(f"--tokens {path}: expected an integer (int32) array, got {tokens.dtype}")
+    if tokens.ndim != 2 or 0 in tokens.shape:
+        raise CliError(f"--tokens {path}: expected a non-empty [B, T] array, got shape {tokens.shape}")
+    if tokens.shape[1] > max_len:
+        raise CliError(
+            f"--tokens {path}: sequence length {tokens.shape[1]} exceeds the model's "
+            f"max_position_embeddings {max_len}"
+        )
+    bad = np.argwhere((tokens < 0) | (tokens >= vocab_size))
+    if bad.size:
+        b, t = bad[0]
+        raise CliError(
+            f"--tokens {path}: token id {int(tokens[b, t])} at [{b}, {t}] is outside the vocabulary "
+            f"[0, {vocab_size}) ({len(bad)} such ids)"
+        )
+    return tokens.astype(np.int32)
+
+
+def score(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from fp8rl_jax.checkpoint import CheckpointError, load_checkpoint
+    from fp8rl_jax.models import DensePolicy, forward
+
+    mode = Fp8Mode(args.fp8)
+    if mode is not Fp8Mode.NONE:
+        raise CliError(f"--fp8 {mode.value} is not yet supported (FP8 scoring arrives with the FP8 core); use --fp8 none")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise CliError(f"--model {model_dir}: not a directory")
+    try:
+        ckpt = load_checkpoint(model_dir, dtype=jnp.dtype(args.dtype), check_finite=args.check_finite)
+    except CheckpointError as e:
+        raise CliError(str(e)) from None
+    cfg = ckpt.config
+    if args.batch_size is not None and args.batch_size < 1:
+        raise CliError(f"--batch-size must be >= 1, got {args.batch_size}")
+    tokens = _read_tokens(Path(args.tokens), cfg.vocab_size, cfg.max_position_embeddings)
+    B, T = tokens.shape
+    bs = min(args.batch_size or B, B)
+    policy = DensePolicy(args.dtype)
+    fwd = jax.jit(lambda p, t: forward(p, t, config=cfg, policy=policy)[0])
+    out = np.empty((B, T, cfg.vocab_size), np.float32)
+    start = time.perf_counter()
+    for i in range(0, B, bs):
+        chunk = tokens[i : i + bs]
+        n = len(chunk)
+        if n < bs:  # pad the last chunk so every call has one shape (one compilation)
+            chunk = np.concatenate([chunk, np.zeros((bs - n, T), np.int32)])
+        out[i : i + n] = np.asarray(fwd(ckpt.params, chunk))[:n]
+    elapsed = time.perf_counter() - start
+    if not np.isfinite(out).all():
+        print("warning: the logits contain NaN/Inf values", file=sys.stderr)
+    _save_npy_atomic(Path(args.out), out)
+    if not args.quiet:
+        print(
+            f"scored {B}x{T} tokens with {cfg.architecture} ({args.dtype}) in {elapsed:.2f}s "
+            f"(compile included) -> {args.out} float32 {list(out.shape)}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fp8rl", description="fp8rl_jax: FP8 RL for Qwen3 in JAX")
+    sub = ap.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("score", help="float32 logits [B, T, V] of int32 tokens [B, T]")
+    s.add_argument("--model", required=True, help="Hugging Face model folder")
+    s.add_argument("--tokens", required=True, help="input .npy, int32 [B, T]")
+    s.add_argument("--out", required=True, help="output .npy, float32 [B, T, V]")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="parameter and compute dtype (default bfloat16)")
+    s.add_argument("--fp8", choices=[m.value for m in Fp8Mode], default="none",
+                   help="FP8 mode: none, w8a8 (FP8 linears), kv (FP8 KV cache) or all")
+    s.add_argument("--batch-size", type=int, default=None, help="rows per forward call (default: all)")
+    s.add_argument("--check-finite", action="store_true", help="reject weights holding NaN/Inf")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=score)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

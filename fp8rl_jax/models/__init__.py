@@ -1,0 +1,24 @@
+"""One Qwen3 / Qwen3-MoE model definition shared by the trainer and the generator."""
+
+from fp8rl_jax.models.attention import KVCache
+from fp8rl_jax.models.config import ConfigError, ModelConfig
+from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy, Proj, Site
+from fp8rl_jax.models.qwen3 import Qwen3, abstract_params, bind, count_params, forward, graphdef, init_params
+
+__all__ = [
+    "ConfigError",
+    "DensePolicy",
+    "Fp8Mode",
+    "KVCache",
+    "MatmulPolicy",
+    "ModelConfig",
+    "Proj",
+    "Qwen3",
+    "Site",
+    "abstract_params",
+    "bind",
+    "count_params",
+    "forward",
+    "graphdef",
+    "init_params",
+]

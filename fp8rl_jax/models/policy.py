@@ -1,0 +1,118 @@
+"""The injectable matmul policy: the one place where precision enters the model.
+
+Every linear layer of the model (attention q/k/v/o, MLP gate/up/down, the stacked MoE experts,
+the MoE router and the lm_head) calls ``policy.dot`` or ``policy.ragged_dot`` with its ``Site``
+(layer index and projection). The trainer and the generator build the same model definition
+with different policies, so precision is the only thing that can differ between them.
+
+``DensePolicy`` is plain BF16/FP32 compute with float32 accumulation. The FP8 policies (W8A8
+rollout with block-scaled weights, FP8 training through ``jax.custom_vjp``) subclass
+``MatmulPolicy`` and decide per ``Site`` what to do: the layer policy (which projections are
+quantized, first/last N layers kept in BF16) is a function of the site alone.
+
+Weight layout everywhere is the Hugging Face one, ``[out, in]`` (``[N, K]`` in GEMM terms);
+stacked experts are ``[E, out, in]``. The activation is ``[..., in]``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+class Proj(enum.Enum):
+    """Which projection a matmul belongs to."""
+
+    Q = "q_proj"
+    K = "k_proj"
+    V = "v_proj"
+    O = "o_proj"
+    GATE = "gate_proj"
+    UP = "up_proj"
+    DOWN = "down_proj"
+    EXPERT_GATE = "experts.gate_proj"
+    EXPERT_UP = "experts.up_proj"
+    EXPERT_DOWN = "experts.down_proj"
+    ROUTER = "router"
+    LM_HEAD = "lm_head"
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where a matmul sits: the decoder layer (None for the lm_head) and the projection."""
+
+    layer: int | None
+    proj: Proj
+
+
+class Fp8Mode(enum.Enum):
+    """Rollout precision modes: FP8 linears (W8A8), FP8 KV cache, both, or neither."""
+
+    NONE = "none"
+    W8A8 = "w8a8"
+    KV = "kv"
+    ALL = "all"
+
+
+# Contracting the activation's last axis with the weight's last axis ([out, in] layout).
+_DN_DENSE = (((1,), (1,)), ((), ()))
+_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+class MatmulPolicy(abc.ABC):
+    """How a linear layer multiplies. Implementations must be hashable (frozen dataclasses)."""
+
+    @property
+    @abc.abstractmethod
+    def compute_dtype(self) -> Any:
+        """Dtype of activations between layers."""
+
+    @abc.abstractmethod
+    def dot(self, x: jax.Array, w: Any, site: Site) -> jax.Array:
+        """x [..., in] times w [out, in] -> [..., out] in compute_dtype."""
+
+    @abc.abstractmethod
+    def ragged_dot(self, x: jax.Array, w: Any, group_sizes: jax.Array, site: Site) -> jax.Array:
+        """Grouped matmul: rows of x [M, in] sorted by group, w [E, out, in] -> [M, out].
+
+        ``group_sizes`` [E] int32 counts the rows of each group; it sums to M.
+        """
+
+
+@dataclasses.dataclass(frozen=True)
+class DensePolicy(MatmulPolicy):
+    """BF16 or FP32 compute, float32 accumulation, output cast back to the compute dtype."""
+
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"DensePolicy dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+
+    @property
+    def compute_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    def dot(self, x: jax.Array, w: jax.Array, site: Site) -> jax.Array:
+        del site
+        dt = self.compute_dtype
+        lead = x.shape[:-1]
+        y = jax.lax.dot_general(
+            x.reshape(-1, x.shape[-1]).astype(dt), w.astype(dt), _DN_DENSE, preferred_element_type=jnp.float32
+        )
+        return y.astype(dt).reshape(*lead, w.shape[0])
+
+    def ragged_dot(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array, site: Site) -> jax.Array:
+        del site
+        dt = self.compute_dtype
+        y = jax.lax.ragged_dot_general(
+            x.astype(dt), w.astype(dt), group_sizes, _RAGGED_DN, preferred_element_type=jnp.float32
+        )
+        return y.astype(dt)

@@ -1,0 +1,443 @@
+"""Block-scaled FP8 quantization: the pure-JAX reference math.
+
+Design note
+===========
+
+This module is the *reference* for everything FP8 in fp8rl_jax: the trainer's
+weight export, the generator's activation quantization, and the Pallas kernels
+(which are tested bit-for-bit against these functions). It is plain `jnp`,
+jit-compatible and free of side effects; speed is not a goal here.
+
+Recipe (DeepSeek-V3 / Hugging Face `fp8` / vLLM block FP8)
+----------------------------------------------------------
+* Weights: one float32 scale per 128x128 block. A weight is laid out
+  ``[..., N, K]`` = ``[..., out_features, in_features]`` (the HF/PyTorch Linear
+  layout, and the layout vLLM loads), with any leading batch dims (stacked MoE
+  experts ``[E, N, K]``). Scales have shape ``[..., ceil(N/bn), ceil(K/bk)]``.
+* Activations: dynamic per-token scales in 1x128 groups along the last
+  (contraction) axis: ``x [..., K] -> q [..., K], scale [..., ceil(K/128)]``.
+  The 128-wide groups line up with the 128-wide K blocks of the weight, so a
+  GEMM can apply ``scale_x[m, kb] * scale_inv_w[nb, kb]`` once per K block.
+* Scale: ``s = amax(|block|) / fmt_max``, computed in float32 from the input
+  (bf16 inputs are upcast exactly first) with a correctly rounded IEEE
+  division, bit-identical to PyTorch's ``amax / 448`` (XLA would otherwise
+  rewrite it as ``amax * (1/448)``; see `_scale_from_amax`). The stored
+  quantity is the *dequantization* multiplier -- HF/vLLM call it
+  ``weight_scale_inv`` -- so ``x ~= q * s`` block by block.
+* Quantize: ``q = saturating_cast(x * (1/s))`` with the reciprocal ``1/s``
+  computed once per block in float32 and the cast rounding to nearest even.
+
+Dtypes
+------
+* ``Fp8Format.E4M3`` -> ``float8_e4m3fn`` (max 448, 3 mantissa bits, no Inf,
+  0x7F/0xFF are NaN). The default for weights and activations (forward pass).
+* ``Fp8Format.E5M2`` -> ``float8_e5m2`` (max 57344, 2 mantissa bits, IEEE-like
+  with Inf). Offered for gradients; not used by the vLLM checkpoint format.
+* Scales are always float32; amax and the multiply are done in float32.
+
+Special values (deliberate)
+---------------------------
+* All-zero block/group: ``amax == 0`` gives ``s = 1.0``. It is finite and
+  positive (no 0/0 NaN, no 1/0 Inf in the reciprocal), every ``q`` is +0, and
+  dequantization is exactly 0. Zero groups are common: padded tokens in RL
+  batches quantize to zeros with a unit scale.
+* Tiny blocks: ``s`` is floored at the smallest normal float32 (~1.18e-38) so
+  ``1/s`` stays finite. This only changes blocks whose amax is below
+  ~5.3e-36 (E4M3), far below anything a trained bf16 weight holds.
+* Overflow: the cast saturates. ``x * (1/s)`` can land a float32 ulp above
+  ``fmt_max`` for the amax element (and a caller may pass its own larger
+  values to ``saturating_cast``); a plain ``astype`` would turn values from
+  464 upward into NaN for E4M3 (it has no Inf) and values past 61440 into Inf
+  for E5M2. We clip to ``[-fmt_max, fmt_max]`` first, so q is never Inf/NaN
+  for finite input.
+* NaN/Inf input: cannot raise inside jit. A NaN propagates into its block's
+  scale (NaN) and q; an Inf gives an Inf scale and NaN/0 codes. Both are
+  visible, never silently finite, but they are garbage. Use
+  ``count_nonfinite`` (jittable) to monitor, and ``quantize_weight_checked``
+  (eager) when writing weights: it raises ``ValueError`` naming the tensor.
+
+Where we deviate, and why
+-------------------------
+* Multiply by the reciprocal instead of dividing. XLA's algebraic simplifier
+  rewrites ``x / broadcast(s)`` into ``x * broadcast(1/s)`` on CPU, so
+  "divide" would mean different roundings on different backends (and forcing
+  a true division would need a full-size materialized scale array). Writing
+  the reciprocal explicitly pins the math; Pallas kernels match it bit for
+  bit if they form ``1/s`` with an IEEE division (Triton: ``div_rn``, not the
+  default approximate divide). Versus PyTorch-style float32 ``x / s`` it
+  differs by one fp8 code on ~4e-4 of elements for bf16 inputs (~2e-7 for
+  float32 inputs), measured on random data; with ``ScaleRounding.POW2`` the
+  reciprocal is exact and the two agree. Both round twice (float32, then
+  fp8), so both sometimes differ from the exact quotient at fp8 ties.
+  DeepGEMM's ``x * (448 / amax)`` is a third variant; none of this affects the
+  checkpoint format, which stores only ``q`` and ``s``.
+* Zero-block scale 1.0 instead of clamping amax (DeepGEMM clamps amax at
+  1e-4). A clamp changes the scale of legitimately small blocks; our rule
+  keeps ``s == amax / fmt_max`` exactly for every non-degenerate block.
+* ``ScaleRounding.POW2`` (UE8M0-style, ``s = 2**ceil(log2(amax/fmt_max))``,
+  as DeepSeek-V3.1 ``scale_fmt: ue8m0`` and DeepGEMM on Blackwell use) is an
+  option, not the default: the coarser scale wastes up to one binade of fp8
+  range, and it was reported to cost about 12 GSM8K points in one vLLM
+  report. The rounding is done on the float32 bits, not with ``log2``, so it is
+  exact: a scale that is already a power of two is kept.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+
+# Smallest normal float32: the floor on scales, so 1/scale is finite.
+_F32_TINY = float(np.finfo(np.float32).tiny)
+# Scale given to all-zero blocks/groups.
+_ZERO_BLOCK_SCALE = 1.0
+
+
+class Fp8Format(enum.Enum):
+    """FP8 storage format: its JAX dtype and its largest finite value."""
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The JAX dtype (``float8_e4m3fn`` or ``float8_e5m2``)."""
+        return jnp.dtype(_FORMAT_DTYPE[self])
+
+    @property
+    def max(self) -> float:
+        """Largest finite magnitude: 448 (E4M3) or 57344 (E5M2)."""
+        return _FORMAT_MAX[self]
+
+    @classmethod
+    def from_dtype(cls, dtype: Any) -> Fp8Format:
+        """The format stored as `dtype`; ValueError for a non-FP8 dtype."""
+        dtype = jnp.dtype(dtype)
+        for fmt in cls:
+            if fmt.dtype == dtype:
+                return fmt
+        raise ValueError(
+            f"dtype {dtype} is not an FP8 format; expected one of "
+            f"{[str(f.dtype) for f in cls]}"
+        )
+
+
+_FORMAT_DTYPE = {Fp8Format.E4M3: jnp.float8_e4m3fn, Fp8Format.E5M2: jnp.float8_e5m2}
+_FORMAT_MAX = {Fp8Format.E4M3: E4M3_MAX, Fp8Format.E5M2: E5M2_MAX}
+
+
+class ScaleRounding(enum.Enum):
+    """How the float32 scale ``amax / fmt_max`` is stored.
+
+    FP32: exactly ``amax / fmt_max`` in float32 (default; HF/vLLM/DeepSeek-V3).
+    POW2: rounded *up* to a power of two (UE8M0-style). Rounding up keeps
+      ``|x| / s <= fmt_max``, so nothing extra saturates. Option only: reported to
+      cost ~12 GSM8K points in one vLLM report.
+    """
+
+    FP32 = "fp32"
+    POW2 = "pow2"
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    """A block-quantized FP8 weight in the HF/vLLM ``weight``/``weight_scale_inv`` layout.
+
+    Attributes:
+      q: FP8 codes, ``[..., N, K]`` (out_features, in_features), float8_e4m3fn
+        or float8_e5m2. Leading dims are batch dims, e.g. MoE experts ``E``.
+      scale_inv: float32 dequantization multipliers, one per block,
+        ``[..., ceil(N / bn), ceil(K / bk)]``; ``w[n, k] ~= q[n, k] *
+        scale_inv[n // bn, k // bk]``. Edge blocks cover the partial remainder.
+      block_size: static ``(bn, bk)`` block shape, default ``(128, 128)``. Not
+        a pytree leaf, so it survives jit/tree_map unchanged.
+    """
+
+    q: jax.Array
+    scale_inv: jax.Array
+    block_size: tuple[int, int] = flax.struct.field(pytree_node=False, default=(128, 128))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical weight shape ``[..., N, K]`` (the shape of `q`)."""
+        return tuple(self.q.shape)
+
+    @property
+    def fmt(self) -> Fp8Format:
+        """The FP8 format of `q`."""
+        return Fp8Format.from_dtype(self.q.dtype)
+
+    def dequantize(self, dtype: Any = jnp.bfloat16) -> jax.Array:
+        """``q * scale_inv`` per block, multiplied in float32, cast to `dtype`."""
+        return dequantize_weight(self, dtype)
+
+
+# ----------------------------------------------------------------------------
+# Validation helpers (static: they only look at shapes, dtypes and Python args)
+
+
+def _check_block_size(block_size: Sequence[int], name: str = "block_size") -> tuple[int, int]:
+    try:
+        block = tuple(block_size)
+    except TypeError:
+        msg = f"{name} must be a pair of positive ints (bn, bk), got {block_size!r}"
+        raise ValueError(msg) from None
+    if len(block) != 2 or not all(_is_positive_int(b) for b in block):
+        raise ValueError(f"{name} must be a pair of positive ints (bn, bk), got {block_size!r}")
+    return int(block[0]), int(block[1])
+
+
+def _check_group_size(group_size: int) -> int:
+    if not _is_positive_int(group_size):
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    return int(group_size)
+
+
+def _is_positive_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0
+
+
+def _check_enums(fmt: Any, rounding: Any) -> None:
+    if not isinstance(fmt, Fp8Format):
+        raise ValueError(f"fmt must be an Fp8Format, got {fmt!r}")
+    if not isinstance(rounding, ScaleRounding):
+        raise ValueError(f"rounding must be a ScaleRounding, got {rounding!r}")
+
+
+def _check_fp8(q: jax.Array, name: str) -> None:
+    if q.dtype not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+        raise ValueError(f"{name} must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    # Zero padding never raises a block's amax, so scales are those of the real elements.
+    return jnp.pad(x, widths)
+
+
+# ----------------------------------------------------------------------------
+# Core math
+
+
+def saturating_cast(x: jax.Array, fmt: Fp8Format = Fp8Format.E4M3) -> jax.Array:
+    """Clip to ``[-fmt.max, fmt.max]``, then round to nearest even in `fmt`.
+
+    Finite or infinite inputs never produce Inf/NaN codes; NaN stays NaN.
+    """
+    if not isinstance(fmt, Fp8Format):
+        raise ValueError(f"fmt must be an Fp8Format, got {fmt!r}")
+    return jnp.clip(x, -fmt.max, fmt.max).astype(fmt.dtype)
+
+
+def _round_scale_pow2(scale: jax.Array) -> jax.Array:
+    """Exact ``2**ceil(log2(scale))`` for positive normal float32 `scale`.
+
+    Works on the bits: bump the exponent by one unless the mantissa is zero.
+    NaN and Inf (exponent 255) are passed through.
+    """
+    bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    rounded = jnp.minimum(exponent + (mantissa != 0).astype(jnp.int32), 255) << 23
+    pow2 = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+    return jnp.where(jnp.isfinite(scale), pow2, scale)
+
+
+def _scale_from_amax(amax: jax.Array, fmt: Fp8Format, rounding: ScaleRounding) -> jax.Array:
+    """float32 scale ``amax / fmt.max`` with the zero/tiny rules of the design note."""
+    # XLA's algebraic simplifier turns `amax / 448.0` into `amax * f32(1/448)`,
+    # which is off by one float32 ulp for about half the blocks versus the
+    # IEEE division PyTorch/HF/vLLM use. Hiding the divisor behind an
+    # optimization barrier keeps a true division (the array is one per block).
+    fmt_max = jax.lax.optimization_barrier(jnp.full(amax.shape, fmt.max, jnp.float32))
+    scale = amax / fmt_max
+    scale = jnp.maximum(scale, jnp.float32(_F32_TINY))  # propagates NaN
+    scale = jnp.where(amax == 0, jnp.float32(_ZERO_BLOCK_SCALE), scale)
+    if rounding is ScaleRounding.POW2:
+        scale = _round_scale_pow2(scale)
+    return scale
+
+
+def quantize_weight_blockwise(
+    w: jax.Array,
+    block_size: Sequence[int] = (128, 128),
+    fmt: Fp8Format = Fp8Format.E4M3,
+    rounding: ScaleRounding = ScaleRounding.FP32,
+) -> QuantizedWeight:
+    """Quantize a weight ``[..., N, K]`` to FP8 with one float32 scale per block.
+
+    Args:
+      w: floating weight (bf16/f32/...), rank >= 2, ``[..., out, in]``.
+      block_size: ``(bn, bk)``; N and K need not be multiples (edge blocks are
+        padded with zeros internally and sliced back).
+      fmt: FP8 storage format.
+      rounding: scale rounding (FP32 exact by default).
+
+    Returns:
+      ``QuantizedWeight(q [..., N, K], scale_inv [..., ceil(N/bn), ceil(K/bk)])``.
+    """
+    bn, bk = _check_block_size(block_size)
+    _check_enums(fmt, rounding)
+    w = jnp.asarray(w)
+    if w.ndim < 2:
+        raise ValueError(f"weight must have rank >= 2 ([..., N, K]), got shape {w.shape}")
+    chex.assert_type(w, float)
+
+    *lead, n, k = w.shape
+    nb, kb = _cdiv(n, bn), _cdiv(k, bk)
+    x = w.astype(jnp.float32)
+    x = _pad_axis(_pad_axis(x, -2, nb * bn), -1, kb * bk)
+    x = x.reshape(*lead, nb, bn, kb, bk)
+
+    amax = jnp.max(jnp.abs(x), axis=(-3, -1))
+    scale = _scale_from_amax(amax, fmt, rounding)
+    inv = jnp.float32(1.0) / scale
+    q = saturating_cast(x * inv[..., :, None, :, None], fmt)
+    q = q.reshape(*lead, nb * bn, kb * bk)[..., :n, :k]
+
+    chex.assert_shape(scale, (*lead, nb, kb))
+    return QuantizedWeight(q=q, scale_inv=scale, block_size=(bn, bk))
+
+
+def dequantize_weight(qw: QuantizedWeight, dtype: Any = jnp.bfloat16) -> jax.Array:
+    """``q * scale_inv`` per block in float32, cast to `dtype`; shape ``[..., N, K]``."""
+    bn, bk = _check_block_size(qw.block_size, "QuantizedWeight.block_size")
+    q, scale = qw.q, qw.scale_inv
+    _check_fp8(q, "QuantizedWeight.q")
+    chex.assert_type(scale, jnp.float32)
+    if q.ndim < 2:
+        raise ValueError(f"QuantizedWeight.q must have rank >= 2, got shape {q.shape}")
+    *lead, n, k = q.shape
+    expected = (*lead, _cdiv(n, bn), _cdiv(k, bk))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"QuantizedWeight.scale_inv has shape {scale.shape}, expected {expected} "
+            f"for q {q.shape} with block_size {(bn, bk)}"
+        )
+    full = jnp.repeat(jnp.repeat(scale, bn, axis=-2), bk, axis=-1)[..., :n, :k]
+    return (q.astype(jnp.float32) * full).astype(dtype)
+
+
+def quantize_activations(
+    x: jax.Array,
+    group_size: int = 128,
+    fmt: Fp8Format = Fp8Format.E4M3,
+    rounding: ScaleRounding = ScaleRounding.FP32,
+) -> tuple[jax.Array, jax.Array]:
+    """Dynamic per-token FP8 quantization in 1 x `group_size` groups along the last axis.
+
+    Args:
+      x: floating activations ``[..., K]`` (e.g. ``[B, T, D]``), rank >= 1.
+      group_size: group width along K; K need not be a multiple.
+      fmt: FP8 storage format.
+      rounding: scale rounding (FP32 exact by default).
+
+    Returns:
+      ``(q [..., K] fp8, scale [..., ceil(K / group_size)] float32)`` with
+      ``x ~= q * scale`` per group.
+    """
+    gs = _check_group_size(group_size)
+    _check_enums(fmt, rounding)
+    x = jnp.asarray(x)
+    if x.ndim < 1:
+        raise ValueError("activations must have rank >= 1 ([..., K]), got a scalar")
+    chex.assert_type(x, float)
+
+    *lead, k = x.shape
+    g = _cdiv(k, gs)
+    xf = _pad_axis(x.astype(jnp.float32), -1, g * gs).reshape(*lead, g, gs)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = _scale_from_amax(amax, fmt, rounding)
+    inv = jnp.float32(1.0) / scale
+    q = saturating_cast(xf * inv[..., None], fmt).reshape(*lead, g * gs)[..., :k]
+    chex.assert_shape(scale, (*lead, g))
+    return q, scale
+
+
+def dequantize_activations(
+    q: jax.Array,
+    scale: jax.Array,
+    group_size: int = 128,
+    dtype: Any = jnp.bfloat16,
+) -> jax.Array:
+    """``q * scale`` per 1 x `group_size` group in float32, cast to `dtype`."""
+    gs = _check_group_size(group_size)
+    _check_fp8(q, "q")
+    chex.assert_type(scale, jnp.float32)
+    if q.ndim < 1:
+        raise ValueError("q must have rank >= 1 ([..., K]), got a scalar")
+    *lead, k = q.shape
+    expected = (*lead, _cdiv(k, gs))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale has shape {scale.shape}, expected {expected} for q {q.shape} "
+            f"with group_size {gs}"
+        )
+    full = jnp.repeat(scale, gs, axis=-1)[..., :k]
+    return (q.astype(jnp.float32) * full).astype(dtype)
+
+
+# ----------------------------------------------------------------------------
+# Non-finite guards
+
+
+def count_nonfinite(w: jax.Array) -> jax.Array:
+    """Number of NaN/+Inf/-Inf elements as an int32 scalar. Jittable.
+
+    int32 is exact up to 2**31 - 1 elements per tensor.
+    """
+    w = jnp.asarray(w)
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        return jnp.zeros((), jnp.int32)
+    return jnp.sum(~jnp.isfinite(w), dtype=jnp.int32)
+
+
+@jax.jit
+def _count_nan_and_nonfinite(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.sum(jnp.isnan(w), dtype=jnp.int32), count_nonfinite(w)
+
+
+_quantize_weight_jit = jax.jit(
+    quantize_weight_blockwise, static_argnames=("block_size", "fmt", "rounding")
+)
+
+
+def quantize_weight_checked(w: jax.Array, name: str, **kw: Any) -> QuantizedWeight:
+    """Eager `quantize_weight_blockwise` that refuses NaN/Inf input.
+
+    Raises ``ValueError`` naming `name` and the NaN/Inf counts before anything
+    is quantized, so a corrupt tensor is never written as FP8. Not for use
+    inside jit (it reads the count back to the host); inside jit, log
+    `count_nonfinite` instead. `kw` are `quantize_weight_blockwise`'s options.
+    """
+    w = jnp.asarray(w)
+    if jnp.issubdtype(w.dtype, jnp.floating):
+        n_nan, n_bad = (int(v) for v in _count_nan_and_nonfinite(w))
+        if n_bad:
+            raise ValueError(
+                f"refusing to quantize {name!r} (shape {tuple(w.shape)}, {w.dtype}): "
+                f"{n_bad} non-finite values ({n_nan} NaN, {n_bad - n_nan} Inf) "
+                f"of {math.prod(w.shape)}"
+            )
+    if "block_size" in kw:
+        kw["block_size"] = _check_block_size(kw["block_size"])
+    return _quantize_weight_jit(w, **kw)

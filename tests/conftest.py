@@ -1,0 +1,112 @@
+"""Shared fixtures: the Hugging Face reference (a subprocess in its own venv) and GPU markers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HF_REFERENCE = REPO / "tests" / "hf_reference.py"
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU; run on the device (README: GPU tests)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def ref_python() -> str:
+    """The Python of the reference venv (CPU torch + transformers). Missing it is a failure:
+    the parity tests are the point of the suite, so they never skip silently."""
+    path = Path(os.environ.get("FP8RL_REF_PYTHON", REPO / ".venv-ref" / "bin" / "python"))
+    if not path.exists():
+        pytest.fail(f"HF reference interpreter {path} not found: run `make test` (it builds .venv-ref) "
+                    "or point FP8RL_REF_PYTHON at a Python with torch and transformers")
+    return str(path)
+
+
+def hf_build(out: Path, hf_config: dict, *, seed: int, dtype: str = "float32", max_shard_size: str | None = None,
+             tokens: np.ndarray | None = None) -> np.ndarray | None:
+    """Builds a random HF checkpoint with transformers' save_pretrained; returns HF's float32
+    logits for ``tokens`` computed from the saved folder (None without tokens)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_file = out.parent / f"{out.name}.config.json"
+    cfg_file.write_text(json.dumps(hf_config))
+    cmd = [ref_python(), str(HF_REFERENCE), "build", "--config", str(cfg_file), "--out", str(out),
+           "--seed", str(seed), "--dtype", dtype]
+    if max_shard_size:
+        cmd += ["--max-shard-size", max_shard_size]
+    if tokens is not None:
+        np.save(out.parent / f"{out.name}.tokens.npy", tokens)
+        cmd += ["--tokens", str(out.parent / f"{out.name}.tokens.npy"),
+                "--logits-out", str(out.parent / f"{out.name}.logits.npy")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode:
+        raise RuntimeError(f"HF reference failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+    return None if tokens is None else np.load(out.parent / f"{out.name}.logits.npy")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """Runs ``fp8rl ARGS`` as a separate process, the way users and outside checks call it."""
+    return subprocess.run([sys.executable, "-m", "fp8rl_jax.cli", *args], capture_output=True, text=True,
+                          cwd=REPO)
+
+
+def rel_err(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+# Tiny HF configs covering: GQA, MQA (one kv head), head_dim != hidden/heads, tied and untied
+# embeddings, single-file and sharded checkpoints, bf16 storage, MoE with renormalized and raw
+# top-k weights, dense layers inside an MoE model (mlp_only_layers, decoder_sparse_step).
+HF_CASES = {
+    "dense": dict(
+        hf={"architectures": ["Qwen3ForCausalLM"], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "max_position_embeddings": 128, "rope_theta": 10000.0, "tie_word_embeddings": False},
+        seed=1, dtype="float32", shard=None),
+    "dense_tied_mqa_sharded": dict(
+        hf={"architectures": ["Qwen3ForCausalLM"], "vocab_size": 80, "hidden_size": 48, "intermediate_size": 80,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+            "max_position_embeddings": 64, "rope_theta": 1000000.0, "tie_word_embeddings": True},
+        seed=2, dtype="float32", shard="24KB"),
+    "moe_sharded": dict(
+        hf={"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+            "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [1], "max_position_embeddings": 128,
+            "rope_theta": 10000.0, "tie_word_embeddings": False},
+        seed=3, dtype="float32", shard="40KB"),
+    "moe_bf16_step2": dict(
+        hf={"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 72, "hidden_size": 32, "intermediate_size": 64,
+            "moe_intermediate_size": 24, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
+            "decoder_sparse_step": 2, "max_position_embeddings": 64, "rope_theta": 10000.0,
+            "tie_word_embeddings": False},
+        seed=4, dtype="bfloat16", shard=None),
+}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """name -> (folder, tokens [3, 12] int32, HF float32 logits); built once per session."""
+    root = tmp_path_factory.mktemp("hf")
+    rng = np.random.default_rng(1234)
+    out = {}
+    for name, case in HF_CASES.items():
+        tokens = rng.integers(0, case["hf"]["vocab_size"], (3, 12)).astype(np.int32)
+        logits = hf_build(root / name, case["hf"], seed=case["seed"], dtype=case["dtype"],
+                          max_shard_size=case["shard"], tokens=tokens)
+        out[name] = (root / name, tokens, logits)
+    return out

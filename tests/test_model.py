@@ -1,0 +1,187 @@
+"""The one model definition: cached decoding, policy injection, MoE maths, full-size shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs.models import qwen3_30b_a3b, qwen3_8b, tiny_qwen3, tiny_qwen3_moe
+from conftest import rel_err
+from fp8rl_jax.models import (ConfigError, DensePolicy, KVCache, ModelConfig, Proj, Site, abstract_params, bind,
+                              count_params, forward, init_params)
+from fp8rl_jax.models.policy import MatmulPolicy
+
+F32 = DensePolicy("float32")
+
+
+@pytest.mark.parametrize("cfg", [tiny_qwen3, tiny_qwen3_moe], ids=["dense", "moe"])
+def test_cached_decode_equals_full_forward_ragged(cfg):
+    """Ragged prompts prefilled as one right-padded batch, then decoded token by token: every
+    real position's logits equal the full-sequence forward of that row alone (float32)."""
+    rng = np.random.default_rng(0)
+    params = init_params(cfg, jax.random.key(1), jnp.float32)
+    lens = np.array([5, 9, 2])
+    total = 14
+    seqs = rng.integers(0, cfg.vocab_size, (3, total)).astype(np.int32)
+    prompt = np.zeros((3, lens.max()), np.int32)
+    for b, n in enumerate(lens):
+        prompt[b, :n] = seqs[b, :n]
+    full = np.asarray(forward(params, seqs, config=cfg, policy=F32)[0])
+
+    model = bind(params, cfg, F32)
+    cache = model.init_cache(batch=3, max_len=32)
+    step = jax.jit(lambda p, t, c, n: forward(p, t, config=cfg, policy=F32, cache=c, num_new=n))
+    logits, cache = step(params, prompt, cache, jnp.asarray(lens))
+    chex.assert_trees_all_equal(cache.lengths, jnp.asarray(lens, jnp.int32))
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(np.asarray(logits)[b, :n], full[b, :n], rtol=1e-5, atol=1e-5)
+    pos = lens.copy()
+    for _ in range(total - lens.max()):
+        nxt = seqs[np.arange(3), pos][:, None]
+        logits, cache = step(params, nxt, cache, jnp.ones(3, jnp.int32))
+        for b in range(3):
+            np.testing.assert_allclose(np.asarray(logits)[b, 0], full[b, pos[b]], rtol=1e-5, atol=1e-5)
+        pos += 1
+    chex.assert_trees_all_equal(cache.lengths, jnp.asarray(pos, jnp.int32))
+
+
+def test_attention_mask_hides_padding_and_positions_follow():
+    """Left-padded rows with an attention mask and shifted positions equal the unpadded rows."""
+    cfg = tiny_qwen3
+    rng = np.random.default_rng(1)
+    params = init_params(cfg, jax.random.key(2), jnp.float32)
+    row = rng.integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)
+    ref = np.asarray(forward(params, row, config=cfg, policy=F32)[0])
+    padded = np.concatenate([np.zeros((1, 3), np.int32), row], axis=1)
+    mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    out = np.asarray(forward(params, padded, config=cfg, policy=F32, attention_mask=mask, positions=positions)[0])
+    np.testing.assert_allclose(out[:, 3:], ref, rtol=1e-5, atol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScaledPolicy(MatmulPolicy):
+    """Test policy: adds a ramp over the output features of one projection to prove the site
+    reaches the policy (not a scale or a constant shift: q/k feed a scale-invariant RMSNorm and
+    the router a shift-invariant softmax)."""
+
+    target: Proj
+
+    @property
+    def compute_dtype(self):
+        return jnp.float32
+
+    def dot(self, x, w, site: Site):
+        y = F32.dot(x, w, site)
+        return y + jnp.linspace(0, 1, y.shape[-1]) if site.proj is self.target else y
+
+    def ragged_dot(self, x, w, group_sizes, site: Site):
+        y = F32.ragged_dot(x, w, group_sizes, site)
+        return y + jnp.linspace(0, 1, y.shape[-1]) if site.proj is self.target else y
+
+
+@pytest.mark.parametrize("proj", list(Proj))
+def test_every_projection_goes_through_the_policy(proj):
+    """Changing the policy for one projection changes the logits: no linear bypasses the policy."""
+    cfg = tiny_qwen3_moe if proj in (Proj.EXPERT_GATE, Proj.EXPERT_UP, Proj.EXPERT_DOWN, Proj.ROUTER) else tiny_qwen3
+    params = init_params(cfg, jax.random.key(3), jnp.float32)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
+    base = np.asarray(forward(params, tokens, config=cfg, policy=F32)[0])
+    scaled = np.asarray(forward(params, tokens, config=cfg, policy=_ScaledPolicy(proj))[0])
+    assert rel_err(scaled, base) > 1e-3
+
+
+def _moe_reference_f64(x, router_w, gate, up, down, k, norm):
+    """Float64 numpy MoE: a loop over tokens and their top-k experts (independent of ragged_dot)."""
+    x = x.astype(np.float64)
+    logits = x @ router_w.T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for m in range(x.shape[0]):
+        top = np.argsort(-p[m])[:k]
+        w = p[m, top] / (p[m, top].sum() if norm else 1.0)
+        for e, we in zip(top, w):
+            g, u = gate[e] @ x[m], up[e] @ x[m]
+            out[m] += we * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_block_matches_float64_loop(norm):
+    cfg = dataclasses.replace(tiny_qwen3_moe, norm_topk_prob=norm)
+    params = init_params(cfg, jax.random.key(4), jnp.float32)
+    model = bind(params, cfg, F32)
+    moe = model.layers[0].mlp
+    x = np.random.default_rng(3).standard_normal((2, 7, cfg.hidden_size)).astype(np.float32)
+    out = np.asarray(moe(jnp.asarray(x)))
+    as_np = lambda v: np.asarray(v.get_value(), np.float64)
+    ref = _moe_reference_f64(x.reshape(-1, cfg.hidden_size), as_np(moe.gate.weight), as_np(moe.experts.gate_proj),
+                             as_np(moe.experts.up_proj), as_np(moe.experts.down_proj), cfg.num_experts_per_tok, norm)
+    assert rel_err(out.reshape(-1, cfg.hidden_size), ref) < 1e-5
+
+
+def test_bfloat16_policy_runs_in_bfloat16():
+    params = init_params(tiny_qwen3, jax.random.key(5), jnp.bfloat16)
+    tokens = np.random.default_rng(4).integers(0, tiny_qwen3.vocab_size, (2, 8)).astype(np.int32)
+    h, _ = bind(params, tiny_qwen3, DensePolicy("bfloat16")).hidden_states(jnp.asarray(tokens))
+    assert h.dtype == jnp.bfloat16
+    lo = np.asarray(forward(params, tokens, config=tiny_qwen3, policy=DensePolicy("bfloat16"))[0])
+    hi = np.asarray(forward(params, tokens, config=tiny_qwen3, policy=F32)[0])
+    assert lo.dtype == np.float32
+    assert 0 < rel_err(lo, hi) < 5e-2
+
+
+def test_fp32_master_weights_with_bf16_compute():
+    """FP32 parameters under a BF16 policy compute in BF16 (the trainer's mixed precision)."""
+    params = init_params(tiny_qwen3, jax.random.key(6), jnp.float32)
+    h, _ = bind(params, tiny_qwen3, DensePolicy("bfloat16")).hidden_states(jnp.zeros((1, 4), jnp.int32))
+    assert h.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "cfg, total, active",
+    [(qwen3_8b, 8_190_735_360, 8_190_735_360), (qwen3_30b_a3b, 30_532_122_624, 3_353_032_704)],
+    ids=["qwen3_8b", "qwen3_30b_a3b"],
+)
+def test_full_size_presets_eval_shape(cfg, total, active):
+    """Shapes of the real models without allocating them.
+
+    Derivation (Qwen3-8B): per layer attention 4096*128*(2*32 + 2*8) + 2*128 = 41,943,296, MLP
+    3*4096*12288 = 150,994,944, norms 8192; times 36 layers = 6,946,086,912; plus embeddings and
+    lm_head 2*151936*4096 = 1,244,659,712 and the final norm 4096: 8,190,735,360 ("8.2B").
+    Qwen3-30B-A3B: attention 2048*128*(64 + 8) + 256 = 18,874,624, router 2048*128, experts
+    128*3*2048*768, norms 4096 per layer, 48 layers, embeddings 2*151936*2048 + 2048:
+    30,532,122,624 in all ("30.5B"); 8 of 128 experts active: 3,353,032,704 ("3.3B").
+    """
+    abstract = abstract_params(cfg)
+    assert count_params(abstract) == total
+    assert cfg.param_counts() == (total, active)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(abstract))
+    logits = jax.eval_shape(lambda p, t: forward(p, t, config=cfg)[0], abstract,
+                            jax.ShapeDtypeStruct((2, 16), jnp.int32))
+    assert logits.shape == (2, 16, cfg.vocab_size) and logits.dtype == jnp.float32
+    model_state = jax.eval_shape(lambda: KVCache.init(cfg.num_layers, 2, 64, cfg.num_kv_heads, cfg.head_dim,
+                                                      jnp.bfloat16))
+    assert model_state.k[0].shape == (2, 64, cfg.num_kv_heads, cfg.head_dim)
+
+
+def test_presets_derive_by_replace_and_validate():
+    small = dataclasses.replace(qwen3_8b, num_layers=2)
+    assert small.num_layers == 2 and small.hidden_size == qwen3_8b.hidden_size
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        dataclasses.replace(qwen3_8b, num_kv_heads=7)
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        dataclasses.replace(qwen3_30b_a3b, num_experts_per_tok=129)
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        dataclasses.replace(qwen3_30b_a3b, mlp_only_layers=(48,))
+
+
+@pytest.mark.parametrize("cfg", [qwen3_8b, qwen3_30b_a3b, tiny_qwen3_moe], ids=["8b", "30b", "tiny_moe"])
+def test_hf_config_dict_round_trip(cfg):
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
