@@ -1,9 +1,13 @@
 """The ``fp8rl`` command line.
 
   fp8rl score --model DIR --tokens IN.npy --out OUT.npy [--dtype float32|bfloat16] [--fp8 none|w8a8|kv|all]
+  fp8rl quantize --model DIR --out DIR2 [--bf16-first-layers N] [--bf16-last-layers N]
 
 ``score`` writes float32 logits [B, T, V] for int32 tokens [B, T] (full-sequence causal forward,
-positions 0..T-1 in every row). Any bad input (missing folder, malformed checkpoint, token ids
+positions 0..T-1 in every row). ``--fp8 w8a8`` runs the FP8 linears of the rollout (weights
+quantized in 128x128 blocks unless the checkpoint already is block FP8, activations per token in
+1x128 groups); ``--dtype`` is then the precision of everything else. ``quantize`` writes the
+block-FP8 Hugging Face checkpoint that vLLM, SGLang and ``score`` load. Any bad input (missing folder, malformed checkpoint, token ids
 outside the vocabulary, sequences longer than the model's limit) prints ``error: ...`` and exits
 with status 2 without writing the output; the output is written atomically.
 """
@@ -72,24 +76,28 @@ def score(args: argparse.Namespace) -> int:
 
     from fp8rl_jax.checkpoint import CheckpointError, load_checkpoint
     from fp8rl_jax.models import DensePolicy, forward
+    from fp8rl_jax.quant.policy import W8A8Policy, quantize_params
 
     mode = Fp8Mode(args.fp8)
-    if mode is not Fp8Mode.NONE:
-        raise CliError(f"--fp8 {mode.value} is not yet supported (FP8 scoring arrives with the FP8 core); use --fp8 none")
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise CliError(f"--model {model_dir}: not a directory")
+    if mode in (Fp8Mode.KV, Fp8Mode.ALL):
+        raise CliError(f"--fp8 {mode.value} is not yet supported (the FP8 KV cache arrives with the rollout engine); "
+                       "use --fp8 none or w8a8")
+    model_dir = _model_dir(args.model)
+    fp8 = mode is Fp8Mode.W8A8
     try:
-        ckpt = load_checkpoint(model_dir, dtype=jnp.dtype(args.dtype), check_finite=args.check_finite)
+        ckpt = load_checkpoint(model_dir, dtype=jnp.dtype(args.dtype), fp8=fp8, check_finite=args.check_finite)
     except CheckpointError as e:
         raise CliError(str(e)) from None
     cfg = ckpt.config
+    params = ckpt.params
+    if fp8 and not ckpt.hf_config.get("quantization_config"):  # an FP8 checkpoint keeps its own layer choice
+        params = jax.jit(lambda p: quantize_params(p, cfg))(params)
     if args.batch_size is not None and args.batch_size < 1:
         raise CliError(f"--batch-size must be >= 1, got {args.batch_size}")
     tokens = _read_tokens(Path(args.tokens), cfg.vocab_size, cfg.max_position_embeddings)
     B, T = tokens.shape
     bs = min(args.batch_size or B, B)
-    policy = DensePolicy(args.dtype)
+    policy = W8A8Policy(args.dtype) if fp8 else DensePolicy(args.dtype)
     fwd = jax.jit(lambda p, t: forward(p, t, config=cfg, policy=policy)[0])
     out = np.empty((B, T, cfg.vocab_size), np.float32)
     start = time.perf_counter()
@@ -98,16 +106,40 @@ def score(args: argparse.Namespace) -> int:
         n = len(chunk)
         if n < bs:  # pad the last chunk so every call has one shape (one compilation)
             chunk = np.concatenate([chunk, np.zeros((bs - n, T), np.int32)])
-        out[i : i + n] = np.asarray(fwd(ckpt.params, chunk))[:n]
+        out[i : i + n] = np.asarray(fwd(params, chunk))[:n]
     elapsed = time.perf_counter() - start
     if not np.isfinite(out).all():
         print("warning: the logits contain NaN/Inf values", file=sys.stderr)
     _save_npy_atomic(Path(args.out), out)
     if not args.quiet:
         print(
-            f"scored {B}x{T} tokens with {cfg.architecture} ({args.dtype}) in {elapsed:.2f}s "
+            f"scored {B}x{T} tokens with {cfg.architecture} ({args.dtype}, fp8 {mode.value}) in {elapsed:.2f}s "
             f"(compile included) -> {args.out} float32 {list(out.shape)}"
         )
+    return 0
+
+
+def _model_dir(path: str) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CliError(f"--model {folder}: not a directory")
+    return folder
+
+
+def quantize(args: argparse.Namespace) -> int:
+    from fp8rl_jax.checkpoint import CheckpointError
+    from fp8rl_jax.checkpoint.quantize import quantize_checkpoint
+    from fp8rl_jax.quant.policy import LayerPolicy
+
+    try:
+        layer_policy = LayerPolicy(bf16_first_layers=args.bf16_first_layers, bf16_last_layers=args.bf16_last_layers)
+        start = time.perf_counter()
+        summary = quantize_checkpoint(_model_dir(args.model), Path(args.out), layer_policy)
+    except (CheckpointError, ValueError) as e:
+        raise CliError(str(e)) from None
+    if not args.quiet:
+        print(f"wrote {args.out}: {summary['quantized']} weights in FP8 (E4M3, 128x128 blocks), "
+              f"{summary['copied']} tensors kept, {summary['files']} files, {time.perf_counter() - start:.1f}s")
     return 0
 
 
@@ -126,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check-finite", action="store_true", help="reject weights holding NaN/Inf")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=score)
+
+    q = sub.add_parser("quantize", help="write the block-FP8 (E4M3, 128x128) Hugging Face checkpoint")
+    q.add_argument("--model", required=True, help="Hugging Face model folder (BF16/FP16/FP32)")
+    q.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    q.add_argument("--bf16-first-layers", type=int, default=0, help="keep the first N decoder layers in BF16")
+    q.add_argument("--bf16-last-layers", type=int, default=0, help="keep the last N decoder layers in BF16")
+    q.add_argument("--quiet", action="store_true")
+    q.set_defaults(func=quantize)
     return ap
 
 

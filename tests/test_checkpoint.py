@@ -176,9 +176,10 @@ def test_nonfinite_weights_rejected_with_check_flag(saved, tmp_path, bad):
         (lambda c: c.update(num_key_value_heads=3), "num_kv_heads"),
         (lambda c: c.update(num_experts_per_tok=0), "num_experts_per_tok"),
         (lambda c: c.pop("hidden_size"), "required key 'hidden_size'"),
-        (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantized checkpoint"),
+        (lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}), "quantization_config"),
+        (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "weight_block_size"),
     ],
-    ids=["arch", "bias", "yarn", "sliding", "act", "gqa", "topk", "missing_key", "quantized"],
+    ids=["arch", "bias", "yarn", "sliding", "act", "gqa", "topk", "missing_key", "awq", "fp8_no_block"],
 )
 def test_config_the_model_cannot_express(saved, tmp_path, edit, match):
     folder = _copy(saved[0], tmp_path / "m")

@@ -26,13 +26,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
 from fp8rl_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
-from fp8rl_jax.models.config import ConfigError, ModelConfig
+from fp8rl_jax.models.config import ConfigError, ModelConfig, fp8_block_size, fp8_quantization_config
 from fp8rl_jax.models.qwen3 import abstract_params
+from fp8rl_jax.quant.fp8 import QuantizedWeight
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -47,7 +49,7 @@ AUX_FILES = (
     "chat_template.jinja",
 )
 # Tensors some exporters add that carry no parameters of ours.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -127,7 +129,7 @@ def load_tokenizer(path: str | Path):
 # ------------------------------------------------------------------------------------ loading
 
 
-def _weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+def weight_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     index = folder / INDEX
     if index.is_file():
         try:
@@ -149,90 +151,129 @@ def _fmt(names: list[str], limit: int = 8) -> str:
     return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _quantizable(spec: TensorSpec) -> bool:
+    """Weights a block-FP8 checkpoint may store in FP8: every matrix but the embedding."""
+    return len(spec.hf_shape) == 2 and spec.path[0] != "embed_tokens"
+
+
 def load_params(
     path: str | Path,
     config: ModelConfig | None = None,
     *,
     dtype: Any = jnp.bfloat16,
+    fp8: bool = False,
     check_finite: bool = False,
     device: jax.Device | jax.sharding.Sharding | None = None,
 ) -> nnx.State:
     """Streams the weights of a HF folder into a params ``nnx.State`` of ``dtype``.
 
-    Raises CheckpointError for missing, extra, mis-shaped or non-float tensors, for an index
-    that disagrees with its shards, and (``check_finite=True``) for NaN/Inf values.
+    Block-FP8 checkpoints (``quantization_config`` with ``weight_block_size``; FP8 ``.weight``
+    plus float32 ``.weight_scale_inv``) load as ``QuantizedWeight`` leaves when ``fp8=True``
+    (for the W8A8 policy), else dequantized to ``dtype``. Raises CheckpointError for missing,
+    extra, mis-shaped or wrongly typed tensors, for an index that disagrees with its shards,
+    and (``check_finite=True``) for NaN/Inf values.
     """
     folder = Path(path)
     if config is None:
-        config, _ = load_config(folder)
+        config, raw_cfg = load_config(folder)
+    else:
+        raw_cfg = json.loads((folder / CONFIG).read_text()) if (folder / CONFIG).is_file() else {}
+    block = fp8_block_size(raw_cfg.get("quantization_config"), str(folder / CONFIG))
     dtype = jnp.dtype(dtype)
-    files, weight_map = _weight_files(folder)
+    files, weight_map = weight_files(folder)
     table = param_table(config)
-    by_name: dict[str, tuple[TensorSpec, int]] = {}
-    for spec in table:
-        for i, name in enumerate(spec.hf_names):
-            by_name[name] = (spec, i)
 
     headers = [SafetensorsFile(f) for f in files]
-    where: dict[str, Path] = {}
+    where: dict[str, SafetensorsFile] = {}
     for h in headers:
         for name in h.keys():
             if name in where:
-                raise CheckpointError(f"tensor {name!r} appears in both {where[name]} and {h.path}")
-            where[name] = h.path
+                raise CheckpointError(f"tensor {name!r} appears in both {where[name].path} and {h.path}")
+            where[name] = h
     if weight_map is not None:
-        wrong = [n for n, f in weight_map.items() if where.get(n) != folder / f]
+        wrong = [n for n, f in weight_map.items() if n not in where or where[n].path != folder / f]
         if wrong:
             raise CheckpointError(
                 f"{folder / INDEX}: tensors not found in the shard the index names: {_fmt(sorted(wrong))}"
             )
+    # name -> (spec, index within the spec, is_scale); a spec is FP8 iff its first tensor has a scale.
+    by_name: dict[str, tuple[TensorSpec, int, bool]] = {}
+    quantized: set[tuple] = set()
+    for spec in table:
+        is_q = block is not None and _quantizable(spec) and spec.hf_names[0] + SCALE_SUFFIX in where
+        if is_q:
+            quantized.add(spec.path)
+        for i, name in enumerate(spec.hf_names):
+            by_name[name] = (spec, i, False)
+            if is_q:
+                by_name[name + SCALE_SUFFIX] = (spec, i, True)
     tied_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
     extra = sorted(
-        n for n in where if n not in by_name and n not in tied_extra and not n.endswith(_IGNORED_SUFFIXES)
+        n for n in where if n not in by_name and n not in tied_extra and not n.endswith(IGNORED_SUFFIXES)
     )
     if extra:
         first = extra[0]
-        hint = " (a quantized checkpoint? quantization_config is not set in config.json)" if any(
-            n.endswith(("weight_scale_inv", "weight_scale")) for n in extra) else ""
+        hint = " (a quantized checkpoint? quantization_config is not set in config.json)" if block is None and any(
+            n.endswith(SCALE_SUFFIX) for n in extra) else ""
         raise CheckpointError(
-            f"{where[first]}: unexpected tensor {first!r} for a {config.architecture} with this config; "
+            f"{where[first].path}: unexpected tensor {first!r} for a {config.architecture} with this config; "
             f"unexpected: {_fmt(extra)}{hint}"
         )
     missing = sorted(n for n in by_name if n not in where)
     if missing:
         raise CheckpointError(f"{folder}: missing tensor {missing[0]!r}; missing: {_fmt(missing)}")
 
+    def checked(name: str) -> np.ndarray:
+        """The validated memory-mapped tensor ``name``."""
+        h = where[name]
+        spec, _, is_scale = by_name[name]
+        is_q = spec.path in quantized
+        N, K = spec.hf_shape[-2:] if len(spec.hf_shape) == 2 else (None, None)
+        shape = ((-(-N // block[0])), -(-K // block[1])) if is_scale else spec.hf_shape
+        allowed = ("float32",) if is_scale else ("float8_e4m3fn",) if is_q else _FLOAT_DTYPES
+        if h.shape(name) != shape:
+            raise CheckpointError(f"{h.path}: tensor {name!r} has shape {h.shape(name)}, expected {shape} for this config")
+        if h.dtype(name).name not in allowed:
+            raise CheckpointError(f"{h.path}: tensor {name!r} has dtype {h.dtype(name).name}; expected one of {allowed}")
+        view = h.get(name)
+        if check_finite:
+            bad = int(np.size(view) - np.count_nonzero(np.isfinite(view)))
+            if bad:
+                raise CheckpointError(f"{h.path}: tensor {name!r} has {bad} NaN/Inf values")
+        return view
+
     put = (lambda a: jax.device_put(a, device)) if device is not None else jax.device_put
-    values: dict[tuple, jax.Array] = {}
-    stacks: dict[tuple, tuple[np.ndarray, set[int]]] = {}
-    for h in headers:
+
+    def assemble(spec: TensorSpec, parts: dict[tuple[int, bool], np.ndarray]) -> Any:
+        def gather(is_scale: bool, out_dtype) -> np.ndarray:
+            views = [parts[(i, is_scale)] for i in range(len(spec.hf_names))]
+            if not spec.stacked:
+                return np.asarray(views[0], dtype=out_dtype)
+            buf = np.empty((len(views), *views[0].shape), out_dtype)
+            for i, v in enumerate(views):
+                buf[i] = v
+            return buf
+
+        if spec.path not in quantized:
+            return put(gather(False, dtype))
+        qw = QuantizedWeight(q=put(gather(False, np.dtype(ml_dtypes.float8_e4m3fn))),
+                             scale_inv=put(gather(True, np.float32)), block_size=block)
+        return qw if fp8 else qw.dequantize(dtype)
+
+    values: dict[tuple, Any] = {}
+    pending: dict[tuple, dict[tuple[int, bool], np.ndarray]] = {}
+    for h in headers:  # shard by shard, so at most one parameter's parts wait across shards
         for name in h.keys():
             if name not in by_name:
                 continue
-            spec, idx = by_name[name]
-            if h.shape(name) != spec.hf_shape:
-                raise CheckpointError(
-                    f"{h.path}: tensor {name!r} has shape {h.shape(name)}, expected {spec.hf_shape} for this config"
-                )
-            if h.dtype(name).name not in _FLOAT_DTYPES:
-                raise CheckpointError(
-                    f"{h.path}: tensor {name!r} has dtype {h.dtype(name).name}; expected one of {_FLOAT_DTYPES}"
-                )
-            raw = h.get(name)
-            if check_finite:
-                bad = int(np.size(raw) - np.count_nonzero(np.isfinite(raw)))
-                if bad:
-                    raise CheckpointError(f"{h.path}: tensor {name!r} has {bad} NaN/Inf values")
-            if spec.stacked:
-                buf, seen = stacks.setdefault(spec.path, (np.empty(spec.shape, dtype), set()))
-                buf[idx] = raw
-                seen.add(idx)
-                if len(seen) == spec.shape[0]:
-                    values[spec.path] = put(buf)
-                    del stacks[spec.path]
-            else:
-                values[spec.path] = put(np.asarray(raw, dtype=dtype))
-            del raw
+            spec, idx, is_scale = by_name[name]
+            parts = pending.setdefault(spec.path, {})
+            parts[(idx, is_scale)] = checked(name)
+            if len(parts) == len(spec.hf_names) * (2 if spec.path in quantized else 1):
+                values[spec.path] = assemble(spec, pending.pop(spec.path))
     abstract = nnx.to_flat_state(abstract_params(config, dtype))
     return nnx.from_flat_state([(p, v.replace(values[tuple(p)])) for p, v in abstract])
 
@@ -249,11 +290,12 @@ class HFCheckpoint:
 
 
 def load_checkpoint(
-    path: str | Path, *, dtype: Any = jnp.bfloat16, check_finite: bool = False
+    path: str | Path, *, dtype: Any = jnp.bfloat16, fp8: bool = False, check_finite: bool = False
 ) -> HFCheckpoint:
+    """Config, params (see ``load_params`` for ``fp8``), raw config.json and tokenizer of a folder."""
     folder = Path(path)
     config, raw = load_config(folder)
-    params = load_params(folder, config, dtype=dtype, check_finite=check_finite)
+    params = load_params(folder, config, dtype=dtype, fp8=fp8, check_finite=check_finite)
     return HFCheckpoint(config, params, raw, load_tokenizer(folder), folder)
 
 
@@ -271,10 +313,12 @@ def save_checkpoint(
 ) -> Path:
     """Writes a HF folder: config.json, safetensors (sharded with an index past max_shard_bytes).
 
-    Tensors keep the dtype of ``params``. ``hf_config`` (the raw config.json of the source) is
-    written back with only its dtype updated, so keys we do not model survive the round trip;
-    without it, ``config.to_hf_dict()`` is written. ``copy_files_from`` copies tokenizer and
-    generation files along.
+    Tensors keep the dtype of ``params``; a ``QuantizedWeight`` leaf is written as the FP8
+    ``.weight`` plus its float32 ``.weight_scale_inv`` and config.json gains the block-FP8
+    ``quantization_config`` (the format vLLM, SGLang and the public Qwen3-*-FP8 use).
+    ``hf_config`` (the raw config.json of the source) is written back with only its dtype (and
+    quantization) updated, so keys we do not model survive the round trip; without it,
+    ``config.to_hf_dict()`` is written. ``copy_files_from`` copies tokenizer and generation files.
     """
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -285,7 +329,21 @@ def save_checkpoint(
         raise ValueError(f"params lack the parameters {missing[:4]} required by the config")
 
     def nbytes(spec: TensorSpec) -> int:
-        return int(np.prod(spec.shape)) * jnp.dtype(flat[spec.path].dtype).itemsize
+        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(flat[spec.path]))
+
+    def hf_tensors(spec: TensorSpec):
+        """(name, host array) pairs of one parameter, FP8 scales included."""
+        value = jax.device_get(flat[spec.path])
+        arrays = [("", value)] if not isinstance(value, QuantizedWeight) else [
+            ("", value.q), (SCALE_SUFFIX, value.scale_inv)]
+        for suffix, host in arrays:
+            host = np.asarray(host)
+            for i, name in enumerate(spec.hf_names):
+                yield name + suffix, np.ascontiguousarray(host[i] if spec.stacked else host)
+
+    blocks = {v.block_size for v in flat.values() if isinstance(v, QuantizedWeight)}
+    if len(blocks) > 1:
+        raise ValueError(f"quantized weights use several block sizes {sorted(blocks)}; a checkpoint holds one")
 
     # Whole parameters go to one shard (the E tensors of a stacked expert projection stay together).
     shards: list[list[TensorSpec]] = [[]]
@@ -306,9 +364,8 @@ def save_checkpoint(
     for fname, shard in zip(names, shards):
         tensors = {}
         for spec in shard:
-            host = np.asarray(jax.device_get(flat[spec.path]))
-            for i, name in enumerate(spec.hf_names):
-                tensors[name] = np.ascontiguousarray(host[i] if spec.stacked else host)
+            for name, host in hf_tensors(spec):
+                tensors[name] = host
                 weight_map[name] = fname
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
         del tensors
@@ -318,7 +375,10 @@ def save_checkpoint(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
         )
     out_cfg = dict(hf_config) if hf_config is not None else config.to_hf_dict()
-    dtype_name = jnp.dtype(next(iter(flat.values())).dtype).name
+    out_cfg.pop("quantization_config", None)
+    if blocks:
+        out_cfg["quantization_config"] = fp8_quantization_config(blocks.pop())
+    dtype_name = jnp.dtype(flat[table[0].path].dtype).name
     for key in ("torch_dtype", "dtype"):
         if key in out_cfg or (key == "torch_dtype" and "dtype" not in out_cfg):
             out_cfg[key] = dtype_name

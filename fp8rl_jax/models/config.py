@@ -23,6 +23,32 @@ class ConfigError(ValueError):
     """A configuration the model cannot express, or an unsupported architecture."""
 
 
+def fp8_block_size(quant: Mapping[str, Any] | None, source: str = "config.json") -> tuple[int, int] | None:
+    """The weight block of a block-FP8 ``quantization_config`` (None when absent).
+
+    Readable: ``{quant_method: "fp8", fmt: "e4m3", activation_scheme: "dynamic",
+    weight_block_size: [bn, bk]}``, the format of the public Qwen3-*-FP8 checkpoints and of
+    ``fp8rl quantize``. Anything else raises ConfigError naming ``source``.
+    """
+    if not quant:
+        return None
+    method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
+    block = quant.get("weight_block_size")
+    if method != "fp8" or fmt != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError(
+            f"{source}: quantization_config {dict(quant)} is not supported; readable quantized checkpoints are "
+            "block FP8 (quant_method 'fp8', fmt 'e4m3', activation_scheme 'dynamic', weight_block_size)"
+        )
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"{source}: quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    return (block[0], block[1])
+
+
+def fp8_quantization_config(block_size: tuple[int, int]) -> dict[str, Any]:
+    """The config.json ``quantization_config`` of a block-FP8 checkpoint we write."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block_size)}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and hyper-parameters of a Qwen3 / Qwen3-MoE causal LM (names as in HF)."""
@@ -130,8 +156,9 @@ class ModelConfig:
         rope_type = rope.get("rope_type", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
         if rope_type != "default":
             raise unsupported(f"rope scaling of type {rope_type!r}")
-        if d.get("quantization_config"):
-            raise unsupported("a quantized checkpoint (quantization_config)")
+        quant = d.get("quantization_config")
+        if quant:
+            fp8_block_size(quant, source)  # only block FP8 checkpoints are readable
         try:
             num_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])

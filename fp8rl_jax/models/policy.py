@@ -60,8 +60,8 @@ class Fp8Mode(enum.Enum):
 
 
 # Contracting the activation's last axis with the weight's last axis ([out, in] layout).
-_DN_DENSE = (((1,), (1,)), ((), ()))
-_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+DENSE_DN = (((1,), (1,)), ((), ()))
+RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
 )
 
@@ -86,6 +86,12 @@ class MatmulPolicy(abc.ABC):
         """
 
 
+def _check_dense(w: Any, site: Site) -> None:
+    if not hasattr(w, "dtype"):
+        raise TypeError(f"DensePolicy got a {type(w).__name__} weight at {site}; quantized weights need an FP8 policy "
+                        "(fp8rl_jax.quant.policy.W8A8Policy)")
+
+
 @dataclasses.dataclass(frozen=True)
 class DensePolicy(MatmulPolicy):
     """BF16 or FP32 compute, float32 accumulation, output cast back to the compute dtype."""
@@ -100,19 +106,26 @@ class DensePolicy(MatmulPolicy):
     def compute_dtype(self) -> Any:
         return jnp.dtype(self.dtype)
 
+    @property
+    def _precision(self) -> jax.lax.Precision:
+        # float32 means float32: without HIGHEST, XLA on Hopper would multiply in TF32.
+        return jax.lax.Precision.HIGHEST if self.dtype == "float32" else jax.lax.Precision.DEFAULT
+
     def dot(self, x: jax.Array, w: jax.Array, site: Site) -> jax.Array:
-        del site
+        _check_dense(w, site)
         dt = self.compute_dtype
         lead = x.shape[:-1]
         y = jax.lax.dot_general(
-            x.reshape(-1, x.shape[-1]).astype(dt), w.astype(dt), _DN_DENSE, preferred_element_type=jnp.float32
+            x.reshape(-1, x.shape[-1]).astype(dt), w.astype(dt), DENSE_DN, precision=self._precision,
+            preferred_element_type=jnp.float32,
         )
         return y.astype(dt).reshape(*lead, w.shape[0])
 
     def ragged_dot(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array, site: Site) -> jax.Array:
-        del site
+        _check_dense(w, site)
         dt = self.compute_dtype
         y = jax.lax.ragged_dot_general(
-            x.astype(dt), w.astype(dt), group_sizes, _RAGGED_DN, preferred_element_type=jnp.float32
+            x.astype(dt), w.astype(dt), group_sizes, RAGGED_DN, precision=self._precision,
+            preferred_element_type=jnp.float32,
         )
         return y.astype(dt)

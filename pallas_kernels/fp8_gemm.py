@@ -1,0 +1,333 @@
+"""W8A8 block-scaled FP8 GEMM (Pallas, Triton lowering).
+
+Design note
+===========
+
+What: ``out [M, N] = A [M, K] @ B [N, K]^T`` with both operands float8_e4m3fn
+and DeepSeek-V3 / vLLM block scales:
+
+* ``a_scale float32 [M, ceil(K/128)]``: per-token 1x128 groups
+  (`fp8rl_jax.quant.quantize_activations`), ``A ~= qa * a_scale`` per group;
+* ``b_scale_inv float32 [ceil(N/128), ceil(K/128)]``: 128x128 weight blocks
+  (`fp8rl_jax.quant.quantize_weight_blockwise`), ``B ~= qb * b_scale_inv``.
+
+Math (the reference does the same, in the same order, in float32)::
+
+    acc = 0
+    for kb in range(ceil(K / 128)):
+        d = qa[:, kb] @ qb[:, kb]^T                   # fp8 x fp8 -> f32, one 128-wide K block
+        acc += (d * a_scale[:, kb, None]) * b_scale_inv[n // 128, kb][None, :]
+    out = acc.astype(out_dtype)
+
+The scales are applied once per K block in float32 on the CUDA cores (the
+"promotion" DeepSeek-V3 describes), so the tensor-core FP8 accumulation only
+ever spans 128 products. BK is fixed at 128 to line up with the scale groups.
+
+Layout: row-major ``A [M, K]`` and ``B [N, K]`` (both K-major: the HF Linear
+layout, which is what wgmma wants for FP8). Inside the jitted wrapper the
+scales are made M/N-major: ``a_scale^T [kb, M]`` and B's block scales expanded
+to one per row of B, ``[kb, N]`` (a few MB at most), so each K step reads one
+contiguous scale vector per operand whatever ``block_n`` is.
+
+Edges: M, N and K need not be multiples of the tiles; loads are masked (zero
+fill) and stores are masked, only on the axes that need it (static flags), so
+aligned shapes run unmasked. No operand is padded or copied.
+
+Deviations / limits: E4M3 only; output bf16, f16 or f32. The Triton FP8 dot's
+in-tensor-core accumulation precision is the hardware's (Hopper's FP8 wgmma
+accumulates with reduced precision; see the GPU tolerance in the tests). The
+Pallas Triton backend is deprecated upstream in favour of Mosaic GPU; a
+wgmma/TMA Mosaic variant is future work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+BK = 128  # K block = scale group width
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tiling of the GEMM kernel (BK is fixed at 128).
+
+    Attributes:
+      block_m: rows of A / out per program; a positive multiple of 16.
+      block_n: rows of B (columns of out) per program; a positive multiple of 16.
+      num_warps: Triton warps per program.
+      num_stages: Triton software-pipelining stages of the K loop.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0 or v % 16:
+                raise ValueError(f"GemmConfig.{name} must be a positive multiple of 16, got {v!r}")
+        for name in ("num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"GemmConfig.{name} must be a positive int, got {v!r}")
+
+
+DEFAULT_CONFIG = GemmConfig()
+SWEEP_CONFIGS = (
+    GemmConfig(64, 64, 4, 4),
+    GemmConfig(64, 128, 4, 4),
+    GemmConfig(64, 256, 8, 4),
+    GemmConfig(128, 64, 4, 4),
+    GemmConfig(128, 128, 8, 3),
+    GemmConfig(128, 128, 8, 4),
+    GemmConfig(128, 256, 8, 3),
+    GemmConfig(256, 128, 8, 3),
+)
+
+
+def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int):
+    """Refs: a [BM, Kp], as [kb, BM], b [BN, Kp], bs [kb, BN], o [BM, BN] (Kp = kb * 128)."""
+    block_m, block_n = o_ref.shape
+    kb = as_ref.shape[0]
+    i, j = pl.program_id(0), pl.program_id(1)
+    mask_m, mask_n, mask_k = m % block_m != 0, n % block_n != 0, k % BK != 0
+    row_ok = i * block_m + jnp.arange(block_m, dtype=jnp.int32) < m
+    col_ok = j * block_n + jnp.arange(block_n, dtype=jnp.int32) < n
+
+    def load(ref, mask):
+        return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
+
+    def body(t, acc):
+        kk = pl.ds(pl.multiple_of(t * BK, BK), BK)
+        k_ok = t * BK + jnp.arange(BK, dtype=jnp.int32) < k
+        am = bm = None
+        if mask_m or mask_k:
+            am = (row_ok if mask_m else jnp.full((block_m,), True))[:, None] & (
+                k_ok if mask_k else jnp.full((BK,), True))[None, :]
+        if mask_n or mask_k:
+            bm = (col_ok if mask_n else jnp.full((block_n,), True))[:, None] & (
+                k_ok if mask_k else jnp.full((BK,), True))[None, :]
+        a = load(a_ref.at[:, kk], am)
+        b = load(b_ref.at[:, kk], bm)
+        sa = load(as_ref.at[t, :], row_ok if mask_m else None)
+        sb = load(bs_ref.at[t, :], col_ok if mask_n else None)
+        d = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc + (d * sa[:, None]) * sb[None, :]
+
+    acc = jax.lax.fori_loop(0, kb, body, jnp.zeros((block_m, block_n), jnp.float32))
+    out = acc.astype(o_ref.dtype)
+    if mask_m or mask_n:
+        plgpu.store(o_ref, out, mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        o_ref[...] = out
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config: GemmConfig, interpret: bool):
+    m, k = a.shape
+    n = b.shape[0]
+    kb = pl.cdiv(k, BK)
+    bm, bn = config.block_m, config.block_n
+    as_t = a_scale.T  # [kb, M]
+    bs_t = jnp.repeat(b_scale_inv, BK, axis=0)[:n].T  # [kb, N], one scale per row of B
+    kernel = functools.partial(_gemm_kernel, m=m, n=n, k=k)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
+        in_specs=[
+            pl.BlockSpec((bm, kb * BK), lambda i, j: (i, 0)),
+            pl.BlockSpec((kb, bm), lambda i, j: (0, i)),
+            pl.BlockSpec((bn, kb * BK), lambda i, j: (j, 0)),
+            pl.BlockSpec((kb, bn), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="fp8_block_gemm",
+    )(a, as_t, b, bs_t)
+
+
+def _resolve_interpret(interpret: bool | None) -> bool:
+    if interpret is None:
+        return jax.default_backend() != "gpu"
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be None or a bool, got {interpret!r}")
+    return interpret
+
+
+def _check_operands(a, a_scale, b, b_scale_inv, out_dtype) -> jnp.dtype:
+    for name, x in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale_inv", b_scale_inv)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim != 2:
+            raise ValueError(f"{name} must have rank 2, got shape {tuple(x.shape)}")
+    for name, x in (("a", a), ("b", b)):
+        if jnp.dtype(x.dtype) != _FP8:
+            raise ValueError(f"{name} must be float8_e4m3fn, got {x.dtype}")
+    for name, x in (("a_scale", a_scale), ("b_scale_inv", b_scale_inv)):
+        if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
+            raise ValueError(f"{name} must be float32, got {x.dtype}")
+    (m, k), (n, k_b) = a.shape, b.shape
+    if k != k_b:
+        raise ValueError(f"contraction sizes differ: a is [M, K] = {tuple(a.shape)}, b is [N, K] = {tuple(b.shape)}")
+    if min(m, n, k) == 0:
+        raise ValueError(f"M, N, K must be positive, got M={m}, N={n}, K={k}")
+    kb = pl.cdiv(k, BK)
+    if tuple(a_scale.shape) != (m, kb):
+        raise ValueError(f"a_scale has shape {tuple(a_scale.shape)}, expected (M, ceil(K/128)) = {(m, kb)}")
+    if tuple(b_scale_inv.shape) != (pl.cdiv(n, BK), kb):
+        raise ValueError(
+            f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected "
+            f"(ceil(N/128), ceil(K/128)) = {(pl.cdiv(n, BK), kb)}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
+    return out_dtype
+
+
+def fp8_gemm(
+    a: jax.Array,
+    a_scale: jax.Array,
+    b: jax.Array,
+    b_scale_inv: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+    config: GemmConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Block-scaled FP8 ``A @ B^T``: see the module note for the exact math.
+
+    Args:
+      a: float8_e4m3fn ``[M, K]`` activations.
+      a_scale: float32 ``[M, ceil(K/128)]`` per-token 1x128 dequantization scales.
+      b: float8_e4m3fn ``[N, K]`` weight (out_features, in_features).
+      b_scale_inv: float32 ``[ceil(N/128), ceil(K/128)]`` 128x128 block scales.
+      out_dtype: bfloat16 (default), float16 or float32.
+      config: tiling (`GemmConfig`); None uses `DEFAULT_CONFIG`.
+      interpret: None runs natively on a GPU backend and in interpret mode otherwise.
+
+    Returns:
+      ``[M, N]`` in `out_dtype`.
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    if not isinstance(config, GemmConfig):
+        raise ValueError(f"config must be a GemmConfig or None, got {type(config).__name__}")
+    interpret = _resolve_interpret(interpret)
+    out_dtype = _check_operands(a, a_scale, b, b_scale_inv, out_dtype)
+    return _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def fp8_gemm_reference(a, a_scale, b, b_scale_inv, *, out_dtype=jnp.bfloat16) -> jax.Array:
+    """Pure-jnp twin of `fp8_gemm`: per-128-K-block f32 dots, scales applied in the kernel's order."""
+    out_dtype = _check_operands(a, a_scale, b, b_scale_inv, out_dtype)
+    m, k = a.shape
+    n = b.shape[0]
+    kb = pl.cdiv(k, BK)
+    pad = kb * BK - k
+    af = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, pad))).reshape(m, kb, BK)
+    bf = jnp.pad(b.astype(jnp.float32), ((0, 0), (0, pad))).reshape(n, kb, BK)
+    d = jnp.einsum("mtk,ntk->tmn", af, bf, precision=jax.lax.Precision.HIGHEST)  # [kb, M, N]
+    sb = jnp.repeat(b_scale_inv, BK, axis=0)[:n].T  # [kb, N]
+    scaled = (d * a_scale.T[:, :, None]) * sb[:, None, :]
+
+    def step(acc, x):
+        return acc + x, None
+
+    acc, _ = jax.lax.scan(step, jnp.zeros((m, n), jnp.float32), scaled)
+    return acc.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------
+# Benchmark
+
+BENCH_M = (64, 256, 2048, 8192)
+BENCH_NK = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288))
+
+
+def _median_ms(fn, n_iter: int = 10, n_warmup: int = 2) -> float:
+    for _ in range(n_warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(n_iter):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Sweep GemmConfigs over Qwen3-8B GEMM shapes; print best TFLOP/s vs XLA BF16 jnp.dot."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--out", default=None, help="write results as JSON to this path")
+    parser.add_argument("--m", type=int, nargs="*", default=list(BENCH_M), help="M values (default: all; ~6 min)")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print(f"fp8_gemm benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); nothing to do.")
+        return 0
+
+    from fp8rl_jax.quant import fp8 as fp8_ref
+
+    bf16_dot = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16))
+    key = jax.random.key(0)
+    results = []
+    for n, k in BENCH_NK:
+        w = jax.random.normal(jax.random.fold_in(key, n * 7 + k), (n, k), jnp.bfloat16)
+        qw = fp8_ref.quantize_weight_blockwise(w)
+        for m in args.m:
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            qa, sa = fp8_ref.quantize_activations(x)
+            flop = 2.0 * m * n * k
+            ref = fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32)
+            row = {"M": m, "N": n, "K": k, "configs": []}
+            best = None
+            for cfg in SWEEP_CONFIGS:
+                try:
+                    out = fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32, config=cfg, interpret=False)
+                    err = float(jnp.max(jnp.abs(out - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
+                    ms = _median_ms(lambda cfg=cfg: fp8_gemm(
+                        qa, sa, qw.q, qw.scale_inv, config=cfg, interpret=False))
+                except Exception as e:  # report and go on
+                    row["configs"].append({"config": dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    continue
+                tf = flop / (ms * 1e-3) / 1e12
+                row["configs"].append({"config": dataclasses.asdict(cfg), "ms": ms, "tflops": tf, "max_rel_err_f32": err})
+                if best is None or ms < best[1]:
+                    best = (cfg, ms, tf, err)
+            ms_bf16 = _median_ms(lambda: bf16_dot(x, w))
+            tf_bf16 = flop / (ms_bf16 * 1e-3) / 1e12
+            row["xla_bf16"] = {"ms": ms_bf16, "tflops": tf_bf16}
+            if best is not None:
+                row["best"] = {"config": dataclasses.asdict(best[0]), "ms": best[1], "tflops": best[2], "max_rel_err_f32": best[3]}
+                print(f"M={m:5d} N={n:5d} K={k:5d}: fp8 {best[2]:7.1f} TFLOP/s ({best[1]:.3f} ms, "
+                      f"bm={best[0].block_m} bn={best[0].block_n} w={best[0].num_warps} s={best[0].num_stages}, "
+                      f"err {best[3]:.1e}) | XLA bf16 {tf_bf16:7.1f} TFLOP/s ({ms_bf16:.3f} ms)", flush=True)
+            else:
+                print(f"M={m} N={n} K={k}: every config failed; XLA bf16 {tf_bf16:.1f} TFLOP/s", flush=True)
+            results.append(row)
+            if args.out:  # rewritten after every shape, so a cut-short run keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump({"device": str(jax.devices()[0].device_kind), "results": results}, f, indent=1)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Pallas kernels: the same cases in interpret mode on the CPU and natively on the GPU.
+
+Each kernel has a base class whose cases run with ``INTERPRET = True`` (CPU,
+always) and a ``@pytest.mark.gpu`` twin with ``INTERPRET = False`` (skipped
+without a GPU by conftest). Interpret-mode shapes and tiles are small so the
+file runs in well under a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8rl_jax.quant import fp8
+from pallas_kernels import fp8_gemm as fg
+from pallas_kernels import fp8_quant as fq
+
+# ----------------------------------------------------------------------------
+# Quantization
+
+
+def _bits_equal(got: fp8.QuantizedWeight, want: fp8.QuantizedWeight) -> None:
+    assert got.q.shape == want.q.shape and got.q.dtype == want.q.dtype
+    assert got.scale_inv.shape == want.scale_inv.shape and got.scale_inv.dtype == jnp.float32
+    gq, wq = np.asarray(got.q).view(np.uint8), np.asarray(want.q).view(np.uint8)
+    n_bad = int(np.sum(gq != wq))
+    assert n_bad == 0, f"{n_bad} of {gq.size} fp8 codes differ"
+    gs, ws = np.asarray(got.scale_inv).view(np.uint32), np.asarray(want.scale_inv).view(np.uint32)
+    assert np.array_equal(gs, ws), f"scales differ: {np.asarray(got.scale_inv)} vs {np.asarray(want.scale_inv)}"
+    assert got.block_size == (128, 128)
+
+
+QUANT_CASES = [
+    # (shape, dtype, config)
+    ((300, 200), jnp.bfloat16, None),  # partial edge blocks on both axes
+    ((128, 128), jnp.float32, None),  # exactly one block
+    ((2, 130, 260), jnp.bfloat16, None),  # stacked [E, N, K], partial edges
+    ((257, 384), jnp.float32, fq.QuantConfig(256, 256, 8)),  # larger tiles, partial tile and scale block
+    ((3, 64, 100), jnp.float32, fq.QuantConfig(128, 256)),  # everything smaller than one tile
+]
+
+
+class TestQuantInterpret:
+    INTERPRET = True
+
+    @pytest.mark.parametrize("shape,dtype,config", QUANT_CASES, ids=lambda v: str(v))
+    def test_bit_exact_vs_reference(self, shape, dtype, config):
+        rng = np.random.default_rng(sum(shape))
+        w = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 3.0)
+        w = jnp.asarray(w, dtype)
+        got = fq.quantize_weight(w, config, interpret=self.INTERPRET)
+        _bits_equal(got, fq.quantize_weight_reference(w))
+
+    def test_special_blocks(self):
+        # All-zero block -> scale 1.0 and zero codes; tiny block -> floored scale;
+        # huge block saturates at 448 without NaN.
+        rng = np.random.default_rng(7)
+        w = rng.standard_normal((256, 384)).astype(np.float32)
+        w[:128, :128] = 0.0
+        # Tiny but normal float32 (|x| in [1e-37, 4e-37]): the GPU flushes float32
+        # subnormals to zero (Triton and XLA:GPU alike), the CPU does not.
+        w[128:, :128] = np.sign(w[128:, :128]) * rng.uniform(1.0, 4.0, (128, 128)) * 1e-37
+        w[:128, 128:256] *= 3e38 / np.abs(w[:128, 128:256]).max()
+        w = jnp.asarray(w)
+        got = fq.quantize_weight(w, interpret=self.INTERPRET)
+        _bits_equal(got, fq.quantize_weight_reference(w))
+        s = np.asarray(got.scale_inv)
+        assert s[0, 0] == 1.0 and s[1, 0] == np.finfo(np.float32).tiny
+        assert not np.isnan(np.asarray(got.q.astype(jnp.float32))).any()
+
+
+@pytest.mark.gpu
+class TestQuantGpu(TestQuantInterpret):
+    INTERPRET = False
+
+    def test_real_size_bf16(self):
+        w = jnp.asarray(np.random.default_rng(1).standard_normal((2, 1024, 4096)), jnp.bfloat16)
+        for cfg in fq.SWEEP_CONFIGS:
+            _bits_equal(fq.quantize_weight(w, cfg, interpret=False), fq.quantize_weight_reference(w))
+
+
+class TestQuantValidation:
+    def test_errors(self):
+        with pytest.raises(ValueError, match="rank 2"):
+            fq.quantize_weight(jnp.zeros((4,)))
+        with pytest.raises(ValueError, match="bfloat16 or float32"):
+            fq.quantize_weight(jnp.zeros((4, 4), jnp.float16))
+        with pytest.raises(ValueError, match="zero-size"):
+            fq.quantize_weight(jnp.zeros((0, 4)))
+        with pytest.raises(ValueError, match="multiple of 128"):
+            fq.QuantConfig(block_n=100)
+        with pytest.raises(ValueError, match="QuantConfig"):
+            fq.quantize_weight(jnp.zeros((4, 4)), config=(128, 128))
+
+    def test_main_without_gpu(self, capsys):
+        if jax.default_backend() == "gpu":
+            pytest.skip("main() benchmarks on a GPU")
+        assert fq.main([]) == 0
+        assert "needs a GPU" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------
+# GEMM
+
+# max |out - ref| / max |ref|, keyed by out dtype. f32 out: the kernel and the
+# reference sum the same exact fp8 products in a different order (~1e-7). bf16
+# out: one bf16 rounding (2**-8 relative) plus the above.
+GEMM_TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}
+
+GEMM_CASES = [
+    # (M, N, K, config)
+    (5, 300, 200, fg.GemmConfig(16, 32, 4, 2)),  # M < tile, partial N and K blocks
+    (32, 64, 256, fg.GemmConfig(16, 16, 4, 2)),  # aligned: unmasked path, BN < 128
+    (40, 130, 130, fg.GemmConfig(32, 64, 4, 2)),  # partial everywhere, N spans two scale blocks
+    (16, 256, 128, fg.GemmConfig(16, 256, 4, 2)),  # BN > 128: two weight scale blocks per tile
+]
+
+
+def _gemm_operands(m, n, k, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.5, 4.0, size=(m, 1)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    qa, sa = fp8.quantize_activations(jnp.asarray(x, jnp.bfloat16))
+    qw = fp8.quantize_weight_blockwise(jnp.asarray(w, jnp.bfloat16))
+    return x, w, qa, sa, qw
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+class TestGemmInterpret:
+    INTERPRET = True
+    TOL = GEMM_TOL
+
+    @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+    @pytest.mark.parametrize("m,n,k,config", GEMM_CASES, ids=lambda v: str(v))
+    def test_vs_reference(self, m, n, k, config, out_dtype):
+        _, _, qa, sa, qw = _gemm_operands(m, n, k, seed=m * 1000 + n + k)
+        got = fg.fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=out_dtype, config=config,
+                          interpret=self.INTERPRET)
+        assert got.shape == (m, n) and got.dtype == jnp.dtype(out_dtype)
+        want = fg.fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32)
+        err = _rel_err(got, want)
+        assert err <= self.TOL[jnp.dtype(out_dtype)], f"rel err {err:.2e}"
+
+    def test_zero_scale_rows(self):
+        # Padded tokens quantize to zero codes with unit scales: their output rows are exactly 0.
+        m, n, k = 16, 32, 128
+        x = np.zeros((m, k), np.float32)
+        x[::2] = np.random.default_rng(3).standard_normal((m // 2, k))
+        qa, sa = fp8.quantize_activations(jnp.asarray(x))
+        qw = fp8.quantize_weight_blockwise(jnp.asarray(np.random.default_rng(4).standard_normal((n, k)), jnp.float32))
+        got = np.asarray(fg.fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32,
+                                     config=fg.GemmConfig(16, 16, 4, 2), interpret=self.INTERPRET))
+        assert np.all(got[1::2] == 0.0)
+        err = _rel_err(got, fg.fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32))
+        assert err <= self.TOL[jnp.dtype(jnp.float32)], f"rel err {err:.2e}"
+
+
+# On the H200 the FP8 wgmma accumulates each 128-wide K block with reduced
+# precision (DeepSeek-V3 reports ~14 bits; measured here: 1.2e-4 to 2.1e-4 of
+# max |out| for K = 1024..4096), so float32 output gets a wider bound there.
+GEMM_TOL_GPU = {**GEMM_TOL, jnp.dtype(jnp.float32): 1e-3}
+
+
+@pytest.mark.gpu
+class TestGemmGpu(TestGemmInterpret):
+    INTERPRET = False
+    TOL = GEMM_TOL_GPU
+
+    @pytest.mark.parametrize("m,n,k", [(64, 1024, 4096), (300, 4096, 4096), (2048, 1024, 1024)])
+    def test_real_size_all_configs(self, m, n, k):
+        _, _, qa, sa, qw = _gemm_operands(m, n, k, seed=m + n + k)
+        want = fg.fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32)
+        for cfg in fg.SWEEP_CONFIGS:
+            got = fg.fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32, config=cfg, interpret=False)
+            err = _rel_err(got, want)
+            assert err <= self.TOL[jnp.dtype(jnp.float32)], f"{cfg}: rel err {err:.2e}"
+
+
+class TestGemmReference:
+    @pytest.mark.parametrize("m,n,k", [(5, 300, 200), (64, 256, 512), (3, 17, 1000)])
+    def test_reference_vs_float64(self, m, n, k):
+        # The reference equals the exact (float64) product of the dequantized
+        # operands within float32 accumulation error: each 128-block dot sums
+        # exact products (<= 127 roundings), two scale multiplies, then kb adds,
+        # so |err| <= (128 + kb + 2) * 2**-24 * (|A| @ |B|^T) to first order.
+        _, _, qa, sa, qw = _gemm_operands(m, n, k, seed=m + n + k)
+        a64 = np.asarray(fp8.dequantize_activations(qa, sa, dtype=jnp.float32), np.float64)
+        b64 = np.asarray(qw.dequantize(jnp.float32), np.float64)
+        exact = a64 @ b64.T
+        bound = (128 + -(-k // 128) + 2) * 2.0**-24 * (np.abs(a64) @ np.abs(b64).T)
+        got = np.asarray(fg.fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32), np.float64)
+        assert np.all(np.abs(got - exact) <= bound + 1e-30)
+
+    def test_quantization_error_vs_bf16(self):
+        # Separately: W8A8 block quantization error against the unquantized
+        # product stays at the level of E4M3's 3 mantissa bits (~2**-4 per
+        # element, averaging down over K).
+        x, w, qa, sa, qw = _gemm_operands(64, 256, 512, seed=11)
+        exact = x.astype(np.float64) @ w.astype(np.float64).T
+        got = np.asarray(fg.fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32), np.float64)
+        rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+        assert rel < 5e-2, rel
+
+    def test_errors(self):
+        _, _, qa, sa, qw = _gemm_operands(8, 32, 128, seed=0)
+        with pytest.raises(ValueError, match="float8_e4m3fn"):
+            fg.fp8_gemm(qa.astype(jnp.bfloat16), sa, qw.q, qw.scale_inv)
+        with pytest.raises(ValueError, match="contraction sizes differ"):
+            fg.fp8_gemm(qa, sa, qw.q[:, :64], qw.scale_inv)
+        with pytest.raises(ValueError, match="a_scale has shape"):
+            fg.fp8_gemm(qa, sa[:4], qw.q, qw.scale_inv)
+        with pytest.raises(ValueError, match="b_scale_inv has shape"):
+            fg.fp8_gemm(qa, sa, qw.q, jnp.zeros((2, 1), jnp.float32))
+        with pytest.raises(ValueError, match="float32"):
+            fg.fp8_gemm(qa, sa.astype(jnp.bfloat16), qw.q, qw.scale_inv)
+        with pytest.raises(ValueError, match="out_dtype"):
+            fg.fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.int32)
+        with pytest.raises(ValueError, match="multiple of 16"):
+            fg.GemmConfig(block_m=8)
+
+    def test_main_without_gpu(self, capsys):
+        if jax.default_backend() == "gpu":
+            pytest.skip("main() benchmarks on a GPU")
+        assert fg.main([]) == 0
+        assert "needs a GPU" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------
+# Lowering to Triton IR for an H200, checked on the CPU (private JAX API: the
+# Triton lowering asks the runtime for the GPU's compute capability; we answer
+# "H200"). Catches lowering errors before the device run; PTX/SASS generation
+# still happens only on the GPU.
+
+
+@contextlib.contextmanager
+def _pretend_h200():
+    from unittest import mock
+
+    from jax._src.pallas.triton import gpu_info
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    with mock.patch.object(reg.gpu_info_lib, "get_gpu_info", lambda *a, **k: info):
+        yield
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+class TestTritonLowering:
+    @pytest.mark.parametrize("config", [fq.DEFAULT_CONFIG, *fq.SWEEP_CONFIGS], ids=str)
+    def test_quant_lowers(self, config):
+        w = jax.ShapeDtypeStruct((2, 300, 200), jnp.bfloat16)
+        with _pretend_h200():
+            text = fq._quantize_stacked.trace(w, config, False).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
+
+    @pytest.mark.parametrize("config", [fg.DEFAULT_CONFIG, *fg.SWEEP_CONFIGS, GEMM_CASES[0][3]], ids=str)
+    @pytest.mark.parametrize("mnk", [(5, 300, 200), (256, 512, 1024)], ids=str)
+    def test_gemm_lowers(self, config, mnk):
+        m, n, k = mnk
+        kb = -(-k // 128)
+        args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, kb), jnp.float32),
+                jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((-(-n // 128), kb), jnp.float32))
+        with _pretend_h200():
+            lowered = fg._fp8_gemm.trace(*args, jnp.dtype(jnp.bfloat16), config, False)
+            text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
+
+
+def test_configs_are_frozen_and_hashable():
+    cfg = fq.QuantConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_n = 256  # type: ignore[misc]
+    assert hash(fg.GemmConfig()) == hash(fg.GemmConfig())
