@@ -6,6 +6,8 @@ config.json files field for field. Derive variants with ``dataclasses.replace``:
     cfg = dataclasses.replace(qwen3_8b, num_layers=4)
 """
 
+import dataclasses
+
 from fp8rl_jax.models.config import ModelConfig
 
 # Qwen/Qwen3-8B: 8.19B parameters.
@@ -62,21 +64,12 @@ tiny_qwen3 = ModelConfig(
     eos_token_ids=(1,),
 )
 
-tiny_qwen3_moe = ModelConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=10_000.0,
-    max_position_embeddings=512,
+tiny_qwen3_moe = dataclasses.replace(
+    tiny_qwen3,
     num_experts=8,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
     norm_topk_prob=True,
-    eos_token_ids=(1,),
 )
 
 PRESETS = {

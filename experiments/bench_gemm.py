@@ -121,9 +121,14 @@ def time_torch(fn, arg_sets, n_replays: int = 10) -> float:
 
 
 def n_sets(m: int, n: int, k: int) -> int:
-    """Enough distinct input sets that R of them exceed the 50 MB L2, capped for memory."""
+    """Distinct input sets (= calls per timed replay): ~4 GB of inputs, between 2 and 64.
+
+    Many calls per replay amortize the one dispatch + synchronize of a replay (~0.1 ms, which
+    swamped microsecond decode-shape GEMMs when R was 8: see results/gemm_h200.md); distinct
+    inputs keep XLA from merging identical calls and the 50 MB L2 from serving repeats.
+    """
     per_set = m * k * 2 + n * k * 2
-    return int(min(8, max(2, np.ceil(200e6 / per_set))))
+    return int(min(64, max(2, np.ceil(4e9 / per_set))))
 
 
 def bench_shape(m: int, n: int, k: int, key, torch_ok: bool) -> dict:

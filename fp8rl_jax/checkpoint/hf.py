@@ -265,7 +265,9 @@ def load_params(
 
     values: dict[tuple, Any] = {}
     pending: dict[tuple, dict[tuple[int, bool], np.ndarray]] = {}
-    for h in headers:  # shard by shard, so at most one parameter's parts wait across shards
+    # Shard by shard; a parameter is assembled and placed as soon as its last part arrives
+    # (waiting parts are memory maps, which cost no host memory until read).
+    for h in headers:
         for name in h.keys():
             if name not in by_name:
                 continue

@@ -25,10 +25,9 @@ from fp8rl_jax.checkpoint.hf import (IGNORED_SUFFIXES, AUX_FILES, CONFIG, INDEX,
                                      load_config, param_table)
 from fp8rl_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from fp8rl_jax.models.config import fp8_quantization_config
-from fp8rl_jax.quant.fp8 import quantize_weight_blockwise
-from fp8rl_jax.quant.policy import LayerPolicy, site_of
+from fp8rl_jax.quant.policy import LayerPolicy, quantize_weight, site_of
 
-_quantize = jax.jit(quantize_weight_blockwise, static_argnames=("block_size",))
+_quantize = jax.jit(quantize_weight, static_argnames=("block_size", "kernels"))
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, layer_policy: LayerPolicy = LayerPolicy()) -> dict:

@@ -86,6 +86,12 @@ class MatmulPolicy(abc.ABC):
         """
 
 
+def matmul_precision(dtype: Any) -> jax.lax.Precision:
+    """float32 means float32: without HIGHEST, XLA on Hopper multiplies float32 in TF32
+    (measured on the H200: 6e-4 relative logit error against transformers' float32)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def _check_dense(w: Any, site: Site) -> None:
     if not hasattr(w, "dtype"):
         raise TypeError(f"DensePolicy got a {type(w).__name__} weight at {site}; quantized weights need an FP8 policy "
@@ -108,8 +114,7 @@ class DensePolicy(MatmulPolicy):
 
     @property
     def _precision(self) -> jax.lax.Precision:
-        # float32 means float32: without HIGHEST, XLA on Hopper would multiply in TF32.
-        return jax.lax.Precision.HIGHEST if self.dtype == "float32" else jax.lax.Precision.DEFAULT
+        return matmul_precision(self.dtype)
 
     def dot(self, x: jax.Array, w: jax.Array, site: Site) -> jax.Array:
         _check_dense(w, site)

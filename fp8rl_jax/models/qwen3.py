@@ -8,7 +8,8 @@ experts.
 
 Two entry points share every layer:
 - full sequence (training / scoring): ``model(tokens, positions, attention_mask)``;
-- cached (decoding): ``model(tokens, cache=cache, num_new=...)`` with a ``KVCache``.
+- cached (decoding): ``model(tokens, cache=cache, num_new=...)`` with a ``KVCache`` or a
+  ``PagedKVCache`` (BF16 or FP8; see ``kv_cache.py`` for the contract).
 
 Precision is injected: each linear layer calls the ``MatmulPolicy`` with its ``Site``. Norms,
 RoPE, softmax and the router softmax run in float32 and cast back, following HF's numerics.
@@ -28,9 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8rl_jax.models.attention import KVCache, apply_rope, cached_attention, causal_mask, dot_attention, rope_cos_sin
+from fp8rl_jax.models.attention import apply_rope, causal_mask, dot_attention, rope_cos_sin
+from fp8rl_jax.models.kv_cache import KVCache, PagedKVCache
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.policy import DensePolicy, MatmulPolicy, Proj, Site
+from fp8rl_jax.models.policy import DensePolicy, MatmulPolicy, Proj, Site, matmul_precision
 
 _INIT_STD = 0.02  # HF's initializer_range for Qwen3
 
@@ -75,20 +77,19 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.shape = (N, K, H)
+        self.layer = layer
 
-    def __call__(self, x, cos, sin, mask, kv):
+    def __call__(self, x, cos, sin, mask, cache, num_new):
         B, T, _ = x.shape
         N, K, H = self.shape
         q = apply_rope(self.q_norm(self.q_proj(x).reshape(B, T, N, H)), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x).reshape(B, T, K, H)), cos, sin)
         v = self.v_proj(x).reshape(B, T, K, H)
-        if kv is None:
-            out, new_kv = dot_attention(q, k, v, mask), None
+        if cache is None:
+            out = dot_attention(q, k, v, mask)
         else:
-            k_cache, v_cache, lengths = kv
-            out, k_cache, v_cache = cached_attention(q, k, v, k_cache, v_cache, lengths)
-            new_kv = (k_cache, v_cache)
-        return self.o_proj(out.reshape(B, T, N * H)), new_kv
+            out, cache = cache.attend(self.layer, q, k, v, num_new)
+        return self.o_proj(out.reshape(B, T, N * H)), cache
 
 
 class MLP(nnx.Module):
@@ -145,7 +146,8 @@ class MoE(nnx.Module):
         y_sorted = self.experts(xf[order // self.top_k], group_sizes)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         y = y_sorted[inverse].reshape(B * T, self.top_k, D)
-        out = jnp.einsum("mkd,mk->md", y, weights.astype(x.dtype), preferred_element_type=jnp.float32)
+        out = jnp.einsum("mkd,mk->md", y, weights.astype(x.dtype), precision=matmul_precision(x.dtype),
+                         preferred_element_type=jnp.float32)
         return out.astype(x.dtype).reshape(B, T, D)
 
 
@@ -160,10 +162,10 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, layer, policy, **kw)
 
-    def __call__(self, x, cos, sin, mask, kv):
-        a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+    def __call__(self, x, cos, sin, mask, cache, num_new):
+        a, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, num_new)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class Embed(nnx.Module):
@@ -200,9 +202,9 @@ class Qwen3(nnx.Module):
         tokens: jax.Array,
         positions: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         num_new: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+    ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
         """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache.
 
         Full sequence (``cache is None``): causal attention within ``tokens``; ``attention_mask``
@@ -212,6 +214,7 @@ class Qwen3(nnx.Module):
         """
         cfg = self.config
         chex.assert_rank(tokens, 2)
+        chex.assert_type(tokens, int)
         B, T = tokens.shape
         if cache is not None and attention_mask is not None:
             raise ValueError("attention_mask is for full-sequence calls; a cached call uses num_new for padding")
@@ -221,16 +224,12 @@ class Qwen3(nnx.Module):
         positions = jnp.broadcast_to(positions, (B, T))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         mask = causal_mask(T, attention_mask, B) if cache is None else None
+        num_new = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.broadcast_to(num_new, (B,))
         x = self.embed_tokens(tokens, self.policy.compute_dtype)
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
-            x, new_kv = layer(x, cos, sin, mask, kv)
-            if new_kv is not None:
-                new_k.append(new_kv[0])
-                new_v.append(new_kv[1])
+        for layer in self.layers:
+            x, cache = layer(x, cos, sin, mask, cache, num_new)
         if cache is not None:
-            cache = cache.replace(k=tuple(new_k), v=tuple(new_v)).advance(T if num_new is None else num_new)
+            cache = cache.advance(num_new)
         return self.norm(x), cache
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -292,9 +291,9 @@ def forward(
     policy: MatmulPolicy = DensePolicy(),
     positions: jax.Array | None = None,
     attention_mask: jax.Array | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedKVCache | None = None,
     num_new: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache | None]:
+) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
     """Pure forward: float32 logits [B, T, V] and the updated cache (None without one)."""
     return bind(params, config, policy)(tokens, positions, attention_mask, cache, num_new)
 

@@ -14,11 +14,22 @@ Recipe (the rollout side of the mission):
 ``W8A8Policy`` decides by the weight it is given: a ``QuantizedWeight`` takes the FP8 path,
 a plain array the dense path. The layer policy is therefore applied once, when the weights are
 quantized, and trainer and generator still share one model definition.
+
+Kernels (``Kernels``): on a GPU backend the Pallas kernels run (``pallas_kernels.fp8_quant``,
+bit-identical to the reference evaluated on the CPU, and ``pallas_kernels.fp8_gemm``); elsewhere
+the jnp reference. (On XLA:GPU the reference's ``amax / 448`` compiles to a multiply by the
+reciprocal, one ulp low on about half the scales as measured on the H200; the kernel divides
+exactly, one more reason GPU quantization goes through it.)
+The reference GEMM dequantizes both operands and multiplies in float32 (HIGHEST): the same
+math as the kernel's per-K-block promotion, summed in another order, without the kernel
+reference's [K/128, M, N] intermediate. MoE experts take the reference grouped path until the
+grouped kernel lands. ``Kernels.PALLAS`` forces the kernels (interpret mode off the GPU: tests).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax
@@ -29,11 +40,27 @@ from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, MatmulPolicy, Proj, Site
 from fp8rl_jax.quant.fp8 import (QuantizedWeight, dequantize_activations, quantize_activations,
                                  quantize_weight_blockwise)
+from pallas_kernels import fp8_gemm as gemm_kernel
+from pallas_kernels import fp8_quant as quant_kernel
 
 FP8_PROJS = frozenset({Proj.Q, Proj.K, Proj.V, Proj.O, Proj.GATE, Proj.UP, Proj.DOWN,
                        Proj.EXPERT_GATE, Proj.EXPERT_UP, Proj.EXPERT_DOWN})
 _PROJ_BY_NAME = {p.value: p for p in Proj if "." not in p.value}
 _EXPERT_PROJ = {"gate_proj": Proj.EXPERT_GATE, "up_proj": Proj.EXPERT_UP, "down_proj": Proj.EXPERT_DOWN}
+
+
+class Kernels(enum.Enum):
+    """Which implementation runs the FP8 quantization and GEMMs."""
+
+    AUTO = "auto"  # Pallas on a GPU backend, the jnp reference elsewhere
+    PALLAS = "pallas"  # always Pallas (interpret mode without a GPU)
+    REFERENCE = "reference"  # always the jnp reference
+
+    def pallas(self) -> bool:
+        return self is Kernels.PALLAS or (self is Kernels.AUTO and jax.default_backend() == "gpu")
+
+
+_KERNEL_BLOCK = (quant_kernel.QBLOCK, quant_kernel.QBLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +108,22 @@ def site_of(path: tuple) -> Site | None:
     return None if proj is None else Site(layer, proj)
 
 
-def quantize_params(params: nnx.State, config: ModelConfig, layer_policy: LayerPolicy = LayerPolicy()) -> nnx.State:
+def quantize_weight(w: jax.Array, block_size: tuple[int, int] = (128, 128), kernels: Kernels = Kernels.AUTO
+                    ) -> QuantizedWeight:
+    """E4M3 block quantization of one weight [N, K] or [E, N, K] through the chosen kernels."""
+    if kernels.pallas() and tuple(block_size) == _KERNEL_BLOCK and jnp.dtype(w.dtype) in (jnp.bfloat16, jnp.float32):
+        return quant_kernel.quantize_weight(w, interpret=jax.default_backend() != "gpu")
+    return quantize_weight_blockwise(w, block_size)
+
+
+def quantize_params(params: nnx.State, config: ModelConfig, layer_policy: LayerPolicy = LayerPolicy(),
+                    kernels: Kernels = Kernels.AUTO) -> nnx.State:
     """Replaces the weights the layer policy selects by ``QuantizedWeight`` (jit-friendly)."""
     out = []
     for path, var in nnx.to_flat_state(params):
         w = var.get_value()
         if not isinstance(w, QuantizedWeight) and layer_policy.quantizes(site_of(tuple(path)), config.num_layers):
-            w = quantize_weight_blockwise(w, layer_policy.block_size)
+            w = quantize_weight(w, layer_policy.block_size, kernels)
         out.append((path, var.replace(w)))
     return nnx.from_flat_state(out)
 
@@ -102,7 +138,8 @@ def dequantize_params(params: nnx.State, dtype: Any = jnp.bfloat16) -> nnx.State
 
 
 def w8a8_matmul_reference(xq: jax.Array, xs: jax.Array, w: QuantizedWeight, group_size: int) -> jax.Array:
-    """float32 [M, N] = dequant(xq, xs) @ dequant(w).T: the FP8 GEMM's math in plain jnp."""
+    """float32 [M, N] = dequant(xq, xs) @ dequant(w).T: the FP8 GEMM's math in plain jnp
+    (memory-light order; ``pallas_kernels.fp8_gemm.fp8_gemm_reference`` follows the kernel's)."""
     a = dequantize_activations(xq, xs, group_size, dtype=jnp.float32)
     return jax.lax.dot_general(a, w.dequantize(jnp.float32), DENSE_DN,
                                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
@@ -114,6 +151,7 @@ class W8A8Policy(MatmulPolicy):
 
     dtype: str = "bfloat16"
     group_size: int = 128
+    kernels: Kernels = Kernels.AUTO
 
     @property
     def compute_dtype(self) -> Any:
@@ -128,7 +166,11 @@ class W8A8Policy(MatmulPolicy):
             return self._dense.dot(x, w, site)
         lead = x.shape[:-1]
         xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]), self.group_size)
-        y = w8a8_matmul_reference(xq, xs, w, self.group_size)
+        if self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK:
+            y = gemm_kernel.fp8_gemm(xq, xs, w.q, w.scale_inv, out_dtype=self.compute_dtype,
+                                     interpret=jax.default_backend() != "gpu")
+        else:
+            y = w8a8_matmul_reference(xq, xs, w, self.group_size)
         return y.astype(self.compute_dtype).reshape(*lead, w.shape[0])
 
     def ragged_dot(self, x: jax.Array, w: Any, group_sizes: jax.Array, site: Site) -> jax.Array:

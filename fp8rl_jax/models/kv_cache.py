@@ -1,0 +1,170 @@
+"""KV caches for the cached forward of the one model: contiguous and paged, BF16 or FP8.
+
+Contract shared by every cache (what ``Qwen3`` relies on):
+- ``lengths`` [B] int32: tokens already in the cache per row, i.e. the next write position;
+- ``attend(layer, q, k, v, num_new)``: writes the T new keys/values of row b (after k-norm and
+  RoPE) at positions ``lengths[b] .. lengths[b] + T - 1`` and returns the attention of q
+  [B, T, N, H] over the row's cache, query t seeing keys ``j <= lengths[b] + t``, plus the
+  cache with that layer updated. Only the first ``num_new[b]`` tokens of a row are real;
+- ``advance(num_new)``: counts them as written (the model calls it after the last layer).
+
+``KVCache`` keeps [B, S, K, H] buffers per layer (simple, for tests and small batches).
+``PagedKVCache`` keeps a pool of fixed-size pages per layer, [P, page_size, K, H], and a page
+table [B, max_pages] per row: the rollout engine's layout, where finished sequences free pages
+and new ones take them. Padded tokens (``t >= num_new[b]``) are never written there, since a
+row's page past its length may not be allocated yet and could belong to another sequence.
+
+FP8 KV (``PagedKVCache`` with a float8_e4m3fn pool): K and V are stored as E4M3 with one float32
+scale per layer and tensor (``k_scale``/``v_scale``, dequantization multipliers), written with a
+saturating cast of ``x * (1 / scale)`` and read back as ``q8 * scale`` in the compute dtype. The
+attention itself then runs on dequantized values with float32 logits, softmax and PV
+accumulation, so FP8 costs storage precision only: there is no low-precision accumulation whose
+error would grow with context length. The scales are part of the cache pytree, so a
+recalibration (after every weight update) replaces them like any other state.
+
+The read path here is the pure-jnp reference (gather the row's pages, then ``dot_attention``);
+the Pallas paged-attention kernel of the rollout engine is tested against it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from fp8rl_jax.models.attention import dot_attention
+from fp8rl_jax.quant.fp8 import saturating_cast
+
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def _replace_at(items: tuple, i: int, value) -> tuple:
+    return items[:i] + (value,) + items[i + 1 :]
+
+
+def _decode_mask(lengths: jax.Array, T: int, S: int) -> jax.Array:
+    """[B, T, S]: query t of row b (at position lengths[b] + t) sees keys j <= its position."""
+    q_pos = lengths[:, None] + jnp.arange(T)[None, :]
+    return jnp.arange(S)[None, None, :] <= q_pos[:, :, None]
+
+
+@struct.dataclass
+class KVCache:
+    """Contiguous KV cache.
+
+    Attributes:
+      k: per layer, keys [B, S, K, H] after k-norm and RoPE.
+      v: per layer, values [B, S, K, H].
+      lengths: [B] int32, tokens already in the cache per row (the next write position).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype) -> "KVCache":
+        shape = (batch, max_len, num_kv_heads, head_dim)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def attend(self, layer: int, q, k, v, num_new) -> tuple[jax.Array, "KVCache"]:
+        """Padded tokens are written too (into the row's own buffer, past its length, where
+        the next step overwrites them). ``dynamic_update_slice`` clamps a write that would pass
+        the end: callers keep ``lengths + T <= max_len``."""
+        del num_new
+        T = q.shape[1]
+        write = jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))
+        kc = write(self.k[layer], k, self.lengths)
+        vc = write(self.v[layer], v, self.lengths)
+        out = dot_attention(q, kc.astype(q.dtype), vc.astype(q.dtype), _decode_mask(self.lengths, T, self.max_len))
+        return out, self.replace(k=_replace_at(self.k, layer, kc), v=_replace_at(self.v, layer, vc))
+
+    def advance(self, num_new: jax.Array) -> "KVCache":
+        """Counts ``num_new`` [B] (or a scalar) real tokens as written."""
+        return self.replace(lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
+
+
+@struct.dataclass
+class PagedKVCache:
+    """Paged KV cache, BF16 or FP8 (E4M3 with per-layer scales).
+
+    Attributes:
+      k_pages: per layer, the key page pool [P, page_size, K, H].
+      v_pages: per layer, the value page pool [P, page_size, K, H].
+      k_scale: [L] float32 dequantization scales of the keys (1.0 unless the pool is FP8).
+      v_scale: [L] float32 dequantization scales of the values.
+      page_table: [B, max_pages] int32, row b's i-th page (only entries below
+        ceil(lengths / page_size) after the write are read; the engine allocates them).
+      lengths: [B] int32, tokens already in the cache per row.
+    """
+
+    k_pages: tuple[jax.Array, ...]
+    v_pages: tuple[jax.Array, ...]
+    k_scale: jax.Array
+    v_scale: jax.Array
+    page_table: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+             batch: int, max_pages: int, dtype) -> "PagedKVCache":
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        return cls(
+            k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            v_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            k_scale=jnp.ones((num_layers,), jnp.float32),
+            v_scale=jnp.ones((num_layers,), jnp.float32),
+            page_table=jnp.zeros((batch, max_pages), jnp.int32),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages[0].shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages[0].shape[0]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k_pages[0].dtype == _FP8
+
+    def _store(self, x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+        if dtype == _FP8:
+            return saturating_cast(x.astype(jnp.float32) * (1.0 / scale))
+        return x.astype(dtype)
+
+    def _load(self, pages: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+        if pages.dtype == _FP8:
+            return (pages.astype(jnp.float32) * scale).astype(dtype)
+        return pages.astype(dtype)
+
+    def attend(self, layer: int, q, k, v, num_new) -> tuple[jax.Array, "PagedKVCache"]:
+        B, T = q.shape[:2]
+        ps, max_pages = self.page_size, self.page_table.shape[1]
+        num_new = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), (B,))
+        pos = self.lengths[:, None] + jnp.arange(T)[None, :]  # [B, T]
+        page_idx = pos // ps
+        page = jnp.take_along_axis(self.page_table, jnp.minimum(page_idx, max_pages - 1), axis=1)
+        real = (jnp.arange(T)[None, :] < num_new[:, None]) & (page_idx < max_pages)
+        page = jnp.where(real, page, self.num_pages)  # out of range: the scatter drops it
+        slot = pos % ps
+        kp, vp = self.k_pages[layer], self.v_pages[layer]
+        kp = kp.at[page, slot].set(self._store(k, self.k_scale[layer], kp.dtype), mode="drop")
+        vp = vp.at[page, slot].set(self._store(v, self.v_scale[layer], vp.dtype), mode="drop")
+        K, H = kp.shape[2:]
+        kg = self._load(kp[self.page_table], self.k_scale[layer], q.dtype).reshape(B, max_pages * ps, K, H)
+        vg = self._load(vp[self.page_table], self.v_scale[layer], q.dtype).reshape(B, max_pages * ps, K, H)
+        out = dot_attention(q, kg, vg, _decode_mask(self.lengths, T, max_pages * ps))
+        return out, self.replace(k_pages=_replace_at(self.k_pages, layer, kp),
+                                 v_pages=_replace_at(self.v_pages, layer, vp))
+
+    def advance(self, num_new: jax.Array) -> "PagedKVCache":
+        return self.replace(lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
