@@ -46,13 +46,13 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from pallas_kernels.common import median_ms, resolve_interpret
 from jax.experimental.pallas import triton as plgpu
 
 BK = 128  # K block = scale group width
@@ -163,12 +163,6 @@ def _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config: GemmConfig, interpr
     )(a, as_t, b, bs_t)
 
 
-def _resolve_interpret(interpret: bool | None) -> bool:
-    if interpret is None:
-        return jax.default_backend() != "gpu"
-    if not isinstance(interpret, bool):
-        raise ValueError(f"interpret must be None or a bool, got {interpret!r}")
-    return interpret
 
 
 def _check_operands(a, a_scale, b, b_scale_inv, out_dtype) -> jnp.dtype:
@@ -228,7 +222,7 @@ def fp8_gemm(
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, GemmConfig):
         raise ValueError(f"config must be a GemmConfig or None, got {type(config).__name__}")
-    interpret = _resolve_interpret(interpret)
+    interpret = resolve_interpret(interpret)
     out_dtype = _check_operands(a, a_scale, b, b_scale_inv, out_dtype)
     return _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config, interpret)
 
@@ -261,15 +255,6 @@ BENCH_M = (64, 256, 2048, 8192)
 BENCH_NK = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288))
 
 
-def _median_ms(fn, n_iter: int = 10, n_warmup: int = 2) -> float:
-    for _ in range(n_warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(n_iter):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     out = fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32, config=cfg, interpret=False)
                     err = float(jnp.max(jnp.abs(out - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
-                    ms = _median_ms(lambda cfg=cfg: fp8_gemm(
+                    ms = median_ms(lambda cfg=cfg: fp8_gemm(
                         qa, sa, qw.q, qw.scale_inv, config=cfg, interpret=False))
                 except Exception as e:  # report and go on
                     row["configs"].append({"config": dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -310,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["configs"].append({"config": dataclasses.asdict(cfg), "ms": ms, "tflops": tf, "max_rel_err_f32": err})
                 if best is None or ms < best[1]:
                     best = (cfg, ms, tf, err)
-            ms_bf16 = _median_ms(lambda: bf16_dot(x, w))
+            ms_bf16 = median_ms(lambda: bf16_dot(x, w))
             tf_bf16 = flop / (ms_bf16 * 1e-3) / 1e12
             row["xla_bf16"] = {"ms": ms_bf16, "tflops": tf_bf16}
             if best is not None:

@@ -78,17 +78,17 @@ import dataclasses
 import enum
 import functools
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.common import median_ms
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8_gemm import BK, _OUT_DTYPES, _check_operands, fp8_gemm_reference
+from pallas_kernels.fp8_gemm import BK, _check_operands, fp8_gemm_reference
 
 __all__ = [
     "BK",
@@ -375,15 +375,6 @@ BENCH_M = (64, 256, 2048, 8192)
 BENCH_NK = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288))
 
 
-def _median_ms(fn, n_iter: int = 10, n_warmup: int = 2) -> float:
-    for _ in range(n_warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(n_iter):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _config_dict(cfg: MgpuGemmConfig) -> dict:
@@ -423,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                     # bf16 out (what is timed): some sweep configs do not fit f32 epilogue buffers in SMEM.
                     out = fp8_gemm_mgpu(qa, sa, qw.q, qw.scale_inv, config=cfg, interpret=False).astype(jnp.float32)
                     err = float(jnp.max(jnp.abs(out - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
-                    ms = _median_ms(lambda cfg=cfg: fp8_gemm_mgpu(qa, sa, qw.q, qw.scale_inv, config=cfg, interpret=False))
+                    ms = median_ms(lambda cfg=cfg: fp8_gemm_mgpu(qa, sa, qw.q, qw.scale_inv, config=cfg, interpret=False))
                 except Exception as e:  # report and go on
                     row["configs"].append({"config": _config_dict(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
                     print(f"  M={m} N={n} K={k} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -432,12 +423,12 @@ def main(argv: list[str] | None = None) -> int:
                 row["configs"].append({"config": _config_dict(cfg), "ms": ms, "tflops": tf, "max_rel_err_bf16_out": err})
                 if best is None or ms < best[1]:
                     best = (cfg, ms, tf, err)
-            ms_bf16 = _median_ms(lambda: bf16_dot(x, w))
+            ms_bf16 = median_ms(lambda: bf16_dot(x, w))
             tf_bf16 = flop / (ms_bf16 * 1e-3) / 1e12
             row["xla_bf16"] = {"ms": ms_bf16, "tflops": tf_bf16}
             triton = ""
             if not args.no_triton:
-                ms_tr = _median_ms(lambda: fp8_gemm(qa, sa, qw.q, qw.scale_inv, interpret=False))
+                ms_tr = median_ms(lambda: fp8_gemm(qa, sa, qw.q, qw.scale_inv, interpret=False))
                 row["triton_fp8_gemm_default"] = {"ms": ms_tr, "tflops": flop / (ms_tr * 1e-3) / 1e12}
                 triton = f" | Triton fp8_gemm {row['triton_fp8_gemm_default']['tflops']:7.1f}"
             if best is not None:

@@ -58,14 +58,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from pallas_kernels.common import median_ms, resolve_interpret
 from jax.experimental.pallas import triton as plgpu
 
 from fp8rl_jax.quant import fp8 as fp8_ref
@@ -182,12 +182,6 @@ def _quantize_stacked(w: jax.Array, config: QuantConfig, interpret: bool) -> tup
     )(w)
 
 
-def _resolve_interpret(interpret: bool | None) -> bool:
-    if interpret is None:
-        return jax.default_backend() != "gpu"
-    if not isinstance(interpret, bool):
-        raise ValueError(f"interpret must be None or a bool, got {interpret!r}")
-    return interpret
 
 
 def quantize_weight(
@@ -212,7 +206,7 @@ def quantize_weight(
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, QuantConfig):
         raise ValueError(f"config must be a QuantConfig or None, got {type(config).__name__}")
-    interpret = _resolve_interpret(interpret)
+    interpret = resolve_interpret(interpret)
     if not hasattr(w, "shape") or not hasattr(w, "dtype"):
         w = jnp.asarray(w)
     if w.ndim not in (2, 3):
@@ -263,15 +257,6 @@ QWEN3_8B_LAYERS = 36
 HBM_COPY_CEILING_BPS = 4.3e12  # measured device-to-device copy, read+write (GPU.md)
 
 
-def _median_ms(fn, n_iter: int = 10, n_warmup: int = 2) -> float:
-    for _ in range(n_warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(n_iter):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     best = None
     for cfg in SWEEP_CONFIGS:
         try:
-            ms = _median_ms(lambda cfg=cfg: run_all(cfg))
+            ms = median_ms(lambda cfg=cfg: run_all(cfg))
         except Exception as e:  # a config that fails to compile is reported, not fatal
             print(f"  {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -318,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             best = (cfg, ms)
 
     ref_jit = jax.jit(fp8_ref.quantize_weight_blockwise)  # on the GPU: XLA's fusion, for speed only
-    ms_ref = _median_ms(lambda: [ref_jit(w) for w in weights.values()])
+    ms_ref = median_ms(lambda: [ref_jit(w) for w in weights.values()])
     bps_ref = n_bytes / (ms_ref * 1e-3)
     print(f"  XLA:GPU jit(quantize_weight_blockwise): {ms_ref:8.3f} ms  {bps_ref / 1e9:8.1f} GB/s  "
           f"{100 * bps_ref / HBM_COPY_CEILING_BPS:5.1f}% of copy")
