@@ -2,6 +2,8 @@
 
   fp8rl score --model DIR --tokens IN.npy --out OUT.npy [--dtype float32|bfloat16] [--fp8 none|w8a8|kv|all]
   fp8rl quantize --model DIR --out DIR2 [--bf16-first-layers N] [--bf16-last-layers N]
+  fp8rl generate --model DIR --prompts IN.json --max-new-tokens N [--temperature T] [--top-p P] [--top-k K]
+                 [--seed S] [--ignore-eos] [--dtype float32|bfloat16] [--fp8 none|w8a8|kv|all] --out OUT.json
 
 ``score`` writes float32 logits [B, T, V] for int32 tokens [B, T] (full-sequence causal forward,
 positions 0..T-1 in every row). ``--fp8 w8a8`` runs the FP8 linears of the rollout (weights
@@ -143,6 +145,71 @@ def quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_prompts(path: Path) -> list[list[int]]:
+    import json
+
+    try:
+        prompts = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CliError(f"--prompts {path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise CliError(f"--prompts {path}: not JSON ({e})") from None
+    if not isinstance(prompts, list) or not prompts:
+        raise CliError(f"--prompts {path}: expected a non-empty JSON list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise CliError(f"--prompts {path}: request {i} is not a list of integer token ids")
+    return prompts
+
+
+def generate(args: argparse.Namespace) -> int:
+    import json
+    import math
+
+    import jax.numpy as jnp
+
+    from fp8rl_jax.checkpoint import CheckpointError, load_checkpoint
+    from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
+    from fp8rl_jax.rollout.sampling import SamplingConfig
+
+    mode = Fp8Mode(args.fp8)
+    if mode in (Fp8Mode.KV, Fp8Mode.ALL):
+        raise CliError(f"--fp8 {mode.value} is not yet supported (FP8 KV cache calibration lands with the "
+                       "rollout engine's next step); use --fp8 none or w8a8")
+    prompts = _read_prompts(Path(args.prompts))
+    try:
+        sampling = [SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                   max_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, seed=args.seed + i)
+                    for i in range(len(prompts))]
+    except ValueError as e:
+        raise CliError(f"sampling settings (--max-new-tokens, --temperature, --top-p, --top-k, --seed): {e}") from None
+    try:
+        ckpt = load_checkpoint(_model_dir(args.model), dtype=jnp.dtype(args.dtype), fp8=mode is Fp8Mode.W8A8)
+    except CheckpointError as e:
+        raise CliError(str(e)) from None
+    steps, page = 8, 16
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    max_len = min(longest, ckpt.config.max_position_embeddings)
+    pages = sum(math.ceil((min(len(p) + args.max_new_tokens, max_len) + steps) / page) for p in prompts)
+    config = EngineConfig(max_slots=min(len(prompts), 64), page_size=page, num_pages=pages, max_seq_len=max_len,
+                          steps_per_call=steps, precision=mode, dtype=args.dtype)
+    start = time.perf_counter()
+    try:
+        batch = JaxEngine(ckpt.config, ckpt.params, config).generate(prompts, sampling)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    elapsed = time.perf_counter() - start
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps({"tokens": batch.token_lists(), "logprobs": batch.logprob_lists()}))
+    tmp.replace(out)
+    if not args.quiet:
+        print(f"generated {int(batch.lengths.sum())} tokens for {len(prompts)} prompts in {elapsed:.2f}s "
+              f"(compile included, fp8 {mode.value}) -> {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fp8rl", description="fp8rl_jax: FP8 RL for Qwen3 in JAX")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -166,6 +233,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--bf16-last-layers", type=int, default=0, help="keep the last N decoder layers in BF16")
     q.add_argument("--quiet", action="store_true")
     q.set_defaults(func=quantize)
+
+    g = sub.add_parser("generate", help="generate with the JAX rollout engine (paged KV, continuous batching)")
+    g.add_argument("--model", required=True, help="Hugging Face model folder (BF16 or block FP8)")
+    g.add_argument("--prompts", required=True, help="input JSON: a list of token-id lists (ragged)")
+    g.add_argument("--max-new-tokens", type=int, required=True)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=0, help="request i samples with seed S + i")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    g.add_argument("--fp8", choices=[m.value for m in Fp8Mode], default="none")
+    g.add_argument("--out", required=True, help='output JSON: {"tokens": [[...]], "logprobs": [[...]]}')
+    g.add_argument("--quiet", action="store_true")
+    g.set_defaults(func=generate)
     return ap
 
 

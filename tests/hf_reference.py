@@ -8,6 +8,7 @@ folder back with `from_pretrained`, so the reference sees exactly what is on dis
   python hf_reference.py build  --config CFG.json --out DIR --seed S [--dtype float32|bfloat16] [--max-shard-size 64KB]
                                 [--tokens IN.npy --logits-out OUT.npy]   (logits of the saved folder)
   python hf_reference.py logits --model DIR --tokens IN.npy --out OUT.npy
+  python hf_reference.py greedy --model DIR --prompts IN.json --max-new-tokens N --out OUT.json
 """
 
 import argparse
@@ -56,6 +57,25 @@ def logits(args):
     np.save(args.out, out.float().numpy())
 
 
+def greedy(args):
+    """transformers' own greedy generate, one prompt at a time (no padding), EOS ignored."""
+    import json
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for prompt in json.load(open(args.prompts)):
+            ids = torch.tensor([prompt], dtype=torch.int64)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                                 eos_token_id=None, pad_token_id=0)
+            out.append(gen[0, len(prompt):].tolist())
+    json.dump(out, open(args.out, "w"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -71,9 +91,14 @@ def main():
     lg.add_argument("--model", required=True)
     lg.add_argument("--tokens", required=True)
     lg.add_argument("--out", required=True)
+    g = sub.add_parser("greedy")
+    g.add_argument("--model", required=True)
+    g.add_argument("--prompts", required=True)
+    g.add_argument("--max-new-tokens", type=int, required=True)
+    g.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    {"build": build, "logits": logits}[args.cmd](args)
+    {"build": build, "logits": logits, "greedy": greedy}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -73,3 +73,57 @@ def test_score_bad_paths_and_modes(model_dir, tmp_path):
     proc = run_cli("score", "--model", str(model_dir[0]), *common, "--fp8", "fp4")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
     assert not (tmp_path / "out.npy").exists()
+
+
+def test_generate_contract(model_dir, tmp_path):
+    """`fp8rl generate` writes only the generated tokens and their logprobs, as the engine does."""
+    import json
+
+    from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
+    from fp8rl_jax.rollout.sampling import SamplingConfig
+
+    folder, params = model_dir
+    prompts = [[5, 6, 7], [9], [10, 11, 12, 13, 14, 15]]
+    (tmp_path / "in.json").write_text(json.dumps(prompts))
+    proc = run_cli("generate", "--model", str(folder), "--prompts", str(tmp_path / "in.json"), "--max-new-tokens", "6",
+                   "--temperature", "0.9", "--top-p", "0.95", "--top-k", "50", "--seed", "3", "--ignore-eos",
+                   "--dtype", "float32", "--out", str(tmp_path / "out.json"))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert set(out) == {"tokens", "logprobs"}
+    assert [len(t) for t in out["tokens"]] == [6, 6, 6] and [len(lp) for lp in out["logprobs"]] == [6, 6, 6]
+    sampling = [SamplingConfig(temperature=0.9, top_p=0.95, top_k=50, max_tokens=6, ignore_eos=True, seed=3 + i)
+                for i in range(3)]
+    ref = JaxEngine(tiny_qwen3, params, EngineConfig(max_slots=3, dtype="float32", max_seq_len=64)).generate(
+        prompts, sampling)
+    assert out["tokens"] == ref.token_lists()
+    np.testing.assert_allclose(out["logprobs"], ref.logprob_lists(), atol=1e-5)
+    proc = run_cli("generate", "--model", str(folder), "--prompts", str(tmp_path / "in.json"), "--max-new-tokens", "3",
+                   "--fp8", "w8a8", "--out", str(tmp_path / "w8.json"))
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "prompts, extra, match",
+    [
+        ([[1, 2], []], [], "request 1: the prompt is empty"),
+        ([[1, 300]], [], r"request 0: token id 300 is outside the vocabulary \[0, 256\)"),
+        ([[1] * 600], [], "request 0: .*max_seq_len"),
+        ([[1, 2]], ["--max-new-tokens", "0"], "max_tokens"),
+        ("not a list", [], "expected a non-empty JSON list"),
+        ([[1, 2]], ["--fp8", "kv"], "not yet supported"),
+    ],
+    ids=["empty", "vocab", "too_long", "max_tokens", "format", "kv"],
+)
+def test_generate_bad_input(model_dir, tmp_path, prompts, extra, match):
+    import json
+
+    (tmp_path / "in.json").write_text(json.dumps(prompts))
+    args = ["generate", "--model", str(model_dir[0]), "--prompts", str(tmp_path / "in.json"), "--max-new-tokens", "4",
+            "--out", str(tmp_path / "out.json")]
+    if "--max-new-tokens" in extra:
+        args[args.index("--max-new-tokens") + 1] = extra[1]
+        extra = []
+    proc = run_cli(*args, *extra)
+    assert proc.returncode == 2 and re.search(match, proc.stderr), proc.stderr
+    assert not (tmp_path / "out.json").exists()

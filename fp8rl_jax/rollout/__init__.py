@@ -1,0 +1,1 @@
+"""Rollout: the generator interface and the built-in JAX engine (paged KV, continuous batching)."""

@@ -1,0 +1,362 @@
+"""The built-in JAX rollout engine: paged KV cache, continuous batching, multi-step decode.
+
+Design:
+- Device state is the params pytree and one ``PagedKVCache`` whose rows are ``max_slots`` decode
+  slots sharing a pool of ``num_pages`` pages. The model is the trainer's model definition under
+  the engine's matmul policy (BF16, or W8A8 with block-FP8 weights): precision is the only
+  difference between trainer and generator.
+- The host owns scheduling: a FIFO of requests, slot assignment, a free list of pages, and the
+  page table and lengths it sends with every device call (a few KB). It is the single source of
+  truth for what each slot holds, so no device->host sync is needed except the sampled tokens.
+- Prefill: admitted requests run in groups of ``prefill_batch`` rows padded to a length bucket
+  (compiles stay bounded by buckets x 1), on a view of the cache restricted to their slots.
+- Decode: one jitted call runs ``steps_per_call`` steps for all slots (``lax.fori_loop``), so
+  dispatch overhead is paid once per call, not per token. A finished slot stops writing (its
+  ``num_new`` is 0) until the host refills it.
+- Pages: before each decode call every running slot holds pages for ``steps_per_call`` more
+  tokens. When the pool runs out, the most recently admitted sequence is preempted: its pages
+  are freed and it goes back to the front of the queue with what it generated so far, to be
+  recomputed by a later prefill. Sampling keys depend only on (request seed, token position),
+  so preemption never changes the tokens.
+- Bad input (empty prompt, ids outside the vocabulary, a prompt that cannot fit, bad sampling
+  settings) raises ``ValueError`` naming the request before anything runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8rl_jax.models import DensePolicy, Fp8Mode, ModelConfig, PagedKVCache, forward
+from fp8rl_jax.quant.policy import W8A8Policy, quantize_params
+from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
+from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
+
+_FINISH_CODES = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.MAX_LEN}
+_NO_STOP = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizing and precision.
+
+    Attributes:
+      max_slots: sequences decoded together (the decode batch).
+      page_size: tokens per KV page.
+      num_pages: pages in the pool; 0 derives it from ``kv_budget_gib``.
+      kv_budget_gib: KV pool size in GiB when ``num_pages`` is 0.
+      max_seq_len: prompt + generated tokens per sequence (capped by the model's positions).
+      steps_per_call: decode steps per host round trip.
+      prefill_batch: prompts per prefill call.
+      prefill_buckets: padded prompt lengths (one compilation each).
+      precision: FP8 mode (NONE or W8A8 today; the FP8 KV modes need scale calibration).
+      dtype: compute dtype of everything not in FP8.
+    """
+
+    max_slots: int = 32
+    page_size: int = 16
+    num_pages: int = 0
+    kv_budget_gib: float = 1.0
+    max_seq_len: int = 4096
+    steps_per_call: int = 8
+    prefill_batch: int = 4
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+    precision: Fp8Mode = Fp8Mode.NONE
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 0 or (self.num_pages == 0 and self.kv_budget_gib <= 0):
+            raise ValueError("EngineConfig needs num_pages > 0 or kv_budget_gib > 0")
+        if not isinstance(self.precision, Fp8Mode):
+            raise ValueError(f"EngineConfig.precision must be an Fp8Mode, got {self.precision!r}")
+        if self.precision in (Fp8Mode.KV, Fp8Mode.ALL):
+            raise ValueError(f"precision {self.precision.value} (FP8 KV cache) is not supported by the engine yet")
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    sampling: SamplingConfig
+    stop_ids: tuple[int, ...]
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish: FinishReason | None = None
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+class JaxEngine:
+    """``Generator`` on the one model definition with a paged KV cache."""
+
+    def __init__(self, model_config: ModelConfig, params: Any, config: EngineConfig = EngineConfig()):
+        self.model_config = model_config
+        self.config = config
+        self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
+        fp8 = config.precision in (Fp8Mode.W8A8, Fp8Mode.ALL)
+        self.policy = W8A8Policy(config.dtype) if fp8 else DensePolicy(config.dtype)
+        self._quantize = jax.jit(functools.partial(quantize_params, config=model_config)) if fp8 else None
+        kv_dtype = jnp.dtype(config.dtype)
+        cfg = model_config
+        bytes_per_page = 2 * cfg.num_layers * config.page_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+        self.num_pages = config.num_pages or int(config.kv_budget_gib * 2**30 // bytes_per_page)
+        if self.num_pages < 1:
+            raise ValueError(f"a KV budget of {config.kv_budget_gib} GiB holds no page of {bytes_per_page} bytes")
+        self.max_pages = math.ceil(self.max_seq_len / config.page_size)
+        self.cache = PagedKVCache.init(cfg.num_layers, self.num_pages, config.page_size, cfg.num_kv_heads,
+                                       cfg.head_dim, config.max_slots, self.max_pages, kv_dtype)
+        self.params = None
+        self.update_weights(params)
+        self._static = dict(model_config=model_config, policy=self.policy, max_seq_len=self.max_seq_len)
+
+    # ----------------------------------------------------------------------- public interface
+
+    @property
+    def sequences_that_fit(self) -> int:
+        """Full-length sequences (max_seq_len tokens) the KV pool holds at once."""
+        return self.num_pages // self.max_pages
+
+    def update_weights(self, params: Any) -> None:
+        """Swaps in new parameters (re-quantized to FP8 when the engine runs W8A8)."""
+        self.params = self._quantize(params) if self._quantize is not None else params
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[SamplingConfig]
+                 ) -> RolloutBatch:
+        requests = self._validate(prompts, sampling)
+        self._run(requests)
+        n = len(requests)
+        width = max([len(r.generated) for r in requests] + [1])
+        tokens = np.zeros((n, width), np.int32)
+        logprobs = np.zeros((n, width), np.float32)
+        for i, r in enumerate(requests):
+            tokens[i, : len(r.generated)] = r.generated
+            logprobs[i, : len(r.generated)] = r.logprobs
+        return RolloutBatch(tokens, logprobs, np.array([len(r.generated) for r in requests], np.int32),
+                            [r.finish for r in requests], self._preemptions)
+
+    # ----------------------------------------------------------------------- validation
+
+    def _validate(self, prompts, sampling) -> list[_Request]:
+        if isinstance(sampling, SamplingConfig):
+            sampling = [sampling] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(sampling)} sampling configs for {len(prompts)} prompts")
+        V = self.model_config.vocab_size
+        capacity = self.num_pages * self.config.page_size
+        eos = tuple(self.model_config.eos_token_ids)
+        requests = []
+        for i, (prompt, s) in enumerate(zip(prompts, sampling)):
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"request {i}: the prompt is empty")
+            bad = [t for t in prompt if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"request {i}: token id {bad[0]} is outside the vocabulary [0, {V})")
+            if len(prompt) >= self.max_seq_len:
+                raise ValueError(f"request {i}: prompt of {len(prompt)} tokens leaves no room under "
+                                 f"max_seq_len {self.max_seq_len}")
+            if not isinstance(s, SamplingConfig):
+                raise ValueError(f"request {i}: sampling must be a SamplingConfig, got {type(s).__name__}")
+            need = min(len(prompt) + s.max_tokens, self.max_seq_len) + self.config.steps_per_call
+            if need > capacity:
+                raise ValueError(f"request {i}: needs up to {need} KV slots but the pool holds {capacity} "
+                                 f"({self.num_pages} pages of {self.config.page_size})")
+            stops = tuple(sorted(set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos))))
+            requests.append(_Request(i, prompt, s, stops))
+        return requests
+
+    # ----------------------------------------------------------------------- scheduling
+
+    def _run(self, requests: list[_Request]) -> None:
+        B, ps = self.config.max_slots, self.config.page_size
+        queue = collections.deque(requests)
+        self._preemptions = 0
+        slots: list[_Request | None] = [None] * B
+        pages: list[list[int]] = [[] for _ in range(B)]
+        free = list(range(self.num_pages - 1, -1, -1))
+        admitted_order: list[int] = []
+        page_table = np.zeros((B, self.max_pages), np.int32)
+        lengths = np.zeros((B,), np.int32)
+
+        def ensure(slot: int, tokens: int) -> bool:
+            want = min(math.ceil(tokens / ps), self.max_pages)
+            while len(pages[slot]) < want:
+                if not free:
+                    return False
+                p = free.pop()
+                page_table[slot, len(pages[slot])] = p
+                pages[slot].append(p)
+            return True
+
+        def release(slot: int) -> None:
+            free.extend(reversed(pages[slot]))
+            pages[slot] = []
+            slots[slot] = None
+            lengths[slot] = 0
+            if slot in admitted_order:
+                admitted_order.remove(slot)
+
+        while queue or any(s is not None for s in slots):
+            # admit waiting requests into free slots while their context and a decode chunk fit
+            group = []
+            while queue and None in slots:
+                r = queue[0]
+                slot = slots.index(None)
+                if not ensure(slot, len(r.context) + self.config.steps_per_call):
+                    release(slot)
+                    break
+                queue.popleft()
+                slots[slot] = r
+                admitted_order.append(slot)
+                group.append(slot)
+            for start in range(0, len(group), self.config.prefill_batch):
+                self._prefill_group(group[start : start + self.config.prefill_batch], slots, page_table, lengths)
+            for slot in range(B):
+                if slots[slot] is not None and slots[slot].finish is not None:
+                    release(slot)
+            running = [s for s in range(B) if slots[s] is not None]
+            if not running:
+                continue
+            # every running slot needs pages for the coming decode chunk; preempt the newest if not
+            for slot in list(running):
+                while slots[slot] is not None and not ensure(slot, int(lengths[slot]) + self.config.steps_per_call):
+                    victim = admitted_order[-1]
+                    r = slots[victim]
+                    release(victim)
+                    queue.appendleft(r)
+                    self._preemptions += 1
+            running = [s for s in range(B) if slots[s] is not None]
+            if running:
+                self._decode_chunk(slots, page_table, lengths)
+            for slot in range(B):
+                if slots[slot] is not None and slots[slot].finish is not None:
+                    release(slot)
+
+    # ----------------------------------------------------------------------- device calls
+
+    def _slot_arrays(self, reqs: list[_Request | None]):
+        """Per-row sampling settings, stop ids and token budgets ([rows] arrays)."""
+        default = SamplingConfig(temperature=0.0)
+        sampling = SlotSampling.from_configs([r.sampling if r is not None else default for r in reqs])
+        most = max([len(r.stop_ids) for r in reqs if r is not None] + [1])
+        width = max(8, 1 << (most - 1).bit_length())  # few distinct shapes, few compilations
+        stops = np.full((len(reqs), width), _NO_STOP, np.int32)
+        remaining = np.zeros((len(reqs),), np.int32)
+        for i, r in enumerate(reqs):
+            if r is not None:
+                stops[i, : len(r.stop_ids)] = r.stop_ids
+                remaining[i] = r.sampling.max_tokens - len(r.generated)
+        return sampling, jnp.asarray(stops), jnp.asarray(remaining)
+
+    def _bucket(self, n: int) -> int:
+        for b in self.config.prefill_buckets:
+            if b >= n:
+                return b
+        return n
+
+    def _prefill_group(self, group: list[int], slots, page_table, lengths) -> None:
+        P = self.config.prefill_batch
+        reqs = [slots[s] for s in group]
+        ctx = [r.context for r in reqs]
+        T = self._bucket(max(len(c) for c in ctx))
+        tokens = np.zeros((P, T), np.int32)
+        num_new = np.zeros((P,), np.int32)
+        slot_ids = np.full((P,), self.config.max_slots, np.int32)  # padding rows: out of range
+        for i, (s, c) in enumerate(zip(group, ctx)):
+            tokens[i, : len(c)] = c
+            num_new[i] = len(c)
+            slot_ids[i] = s
+            lengths[s] = 0
+        sampling, stops, remaining = self._slot_arrays(reqs + [None] * (P - len(reqs)))
+        self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
+        tok, lp, code, self.cache = _prefill(self.params, self.cache, jnp.asarray(slot_ids), jnp.asarray(tokens),
+                                             jnp.asarray(num_new), sampling, stops, remaining, **self._static)
+        tok, lp, code = np.asarray(tok), np.asarray(lp), np.asarray(code)
+        for i, (s, r) in enumerate(zip(group, reqs)):
+            lengths[s] = num_new[i]
+            self._append(r, int(tok[i]), float(lp[i]), int(code[i]))
+
+    def _decode_chunk(self, slots, page_table, lengths) -> None:
+        B, steps = self.config.max_slots, self.config.steps_per_call
+        reqs = list(slots)
+        sampling, stops, remaining = self._slot_arrays(reqs)
+        last = np.array([r.context[-1] if r is not None else 0 for r in reqs], np.int32)
+        active = np.array([r is not None for r in reqs])
+        self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
+        toks, lps, codes, self.cache = _decode(self.params, self.cache, jnp.asarray(last), jnp.asarray(active),
+                                               sampling, stops, remaining, steps=steps, **self._static)
+        toks, lps, codes = np.asarray(toks), np.asarray(lps), np.asarray(codes)
+        for s in range(B):
+            r = reqs[s]
+            if r is None:
+                continue
+            for j in range(steps):
+                if r.finish is not None:
+                    break
+                self._append(r, int(toks[s, j]), float(lps[s, j]), int(codes[s, j]))
+                lengths[s] += 1
+
+    @staticmethod
+    def _append(r: _Request, tok: int, lp: float, code: int) -> None:
+        r.generated.append(tok)
+        r.logprobs.append(lp)
+        if code:
+            r.finish = _FINISH_CODES[code]
+
+
+# --------------------------------------------------------------------------- jitted device steps
+# Module-level, with the model config, policy and length limit static: engines with the same
+# settings share compilations (the RL loop, tests and benchmarks build several).
+
+
+def _finish_code(tok, stops, remaining, lengths, max_seq_len: int):
+    """1 stop token, 2 max_tokens reached, 3 no room for another token, else 0."""
+    is_stop = jnp.any(tok[:, None] == stops, axis=1)
+    return jnp.where(is_stop, 1, jnp.where(remaining <= 1, 2, jnp.where(lengths + 1 >= max_seq_len, 3, 0)))
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "policy", "max_seq_len"), donate_argnums=(1,))
+def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remaining, *, model_config, policy,
+             max_seq_len):
+    """Prefills rows ``slot_ids`` (out of range for padding rows) and samples their next token."""
+    view = cache.replace(page_table=jnp.take(cache.page_table, slot_ids, axis=0, mode="clip"),
+                         lengths=jnp.zeros_like(slot_ids))
+    logits, view = forward(params, tokens, config=model_config, policy=policy, cache=view, num_new=num_new)
+    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    tok, lp = sample(last, sampling, row_keys(sampling.seed, num_new))
+    code = _finish_code(tok, stops, remaining, num_new, max_seq_len)
+    cache = cache.replace(k_pages=view.k_pages, v_pages=view.v_pages,
+                          lengths=cache.lengths.at[slot_ids].set(view.lengths, mode="drop"))
+    return tok, lp, code, cache
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "model_config", "policy", "max_seq_len"), donate_argnums=(1,))
+def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, model_config, policy, max_seq_len):
+    """``steps`` decode steps for every slot; finished or empty slots write nothing."""
+    B = last.shape[0]
+
+    def step(j, carry):
+        cache, last, active, remaining, out_tok, out_lp, out_code = carry
+        logits, cache = forward(params, last[:, None], config=model_config, policy=policy, cache=cache,
+                                num_new=active.astype(jnp.int32))
+        tok, lp = sample(logits[:, 0], sampling, row_keys(sampling.seed, cache.lengths))
+        code = jnp.where(active, _finish_code(tok, stops, remaining, cache.lengths, max_seq_len), 0)
+        return (cache, jnp.where(active, tok, last), active & (code == 0), remaining - active,
+                out_tok.at[:, j].set(tok), out_lp.at[:, j].set(lp), out_code.at[:, j].set(code))
+
+    zeros = jnp.zeros((B, steps), jnp.int32)
+    carry = (cache, last, active, remaining, zeros, jnp.zeros((B, steps), jnp.float32), zeros)
+    cache, _, _, _, out_tok, out_lp, out_code = jax.lax.fori_loop(0, steps, step, carry)
+    return out_tok, out_lp, out_code, cache

@@ -1,0 +1,277 @@
+"""Token sampling for the rollout engine: temperature, top-k, top-p, per-row seeds.
+
+Everything here runs inside the engine's jitted decode loop: per-row settings are
+arrays (``B`` decode slots, ``V`` vocabulary), nothing branches in Python on a value,
+and ``B`` and ``V`` are the only static quantities.
+
+Logprob convention (the importance-sampling correction relies on it)
+---------------------------------------------------------------------
+The logprob returned for a sampled token is that of the FULL, UNTRUNCATED,
+temperature-scaled distribution, in float32::
+
+    logprob = log_softmax(logits / T)[token]     for T > 0
+    logprob = log_softmax(logits)[token]         for T == 0 (greedy)
+
+It is computed BEFORE top-k / top-p truncation and renormalization, so it is the
+same number the trainer gets from ``log_softmax(logits / T)`` with the same ``T``,
+whatever top-k / top-p the request used. (It is therefore *not* the log-probability
+under the truncated distribution the token was actually drawn from; a correction
+that needs that must account for truncation itself. With ``top_k = 0`` and
+``top_p = 1`` the two coincide.)
+
+Sampling
+--------
+* ``T == 0`` (greedy): ``argmax(logits)``, the lowest index on ties; top-k, top-p
+  and the key are ignored.
+* ``T > 0``: ``z = logits / T``; keep the ``top_k`` highest (``top_k = 0`` or
+  ``top_k >= V``: all); then top-p on the top-k-renormalized distribution (the
+  vLLM order); renormalize; draw. The draw is Gumbel-max,
+  ``token = argmax_{j kept}(z_j + g_j)`` with ``g ~ Gumbel(0, 1)^V`` from the row's
+  key, which samples exactly ``softmax(z)`` restricted to the kept set and
+  renormalized.
+
+Design choices, and why
+-----------------------
+* **Ranking and ties.** Tokens are ranked by ``z`` descending, ties broken by the
+  lower token id first (a stable sort over ``-z``). Top-k keeps exactly the first
+  ``top_k`` ranks, so tokens tied with the k-th value at a higher id are dropped
+  (vLLM keeps every tie; we prefer an exact, deterministic count).
+* **Top-p boundary.** With ``p_r`` the top-k-renormalized probability at rank ``r``,
+  rank ``r`` is kept iff the mass strictly before it is below ``top_p``:
+  ``sum_{s < r} p_s < top_p``. That is the smallest prefix whose cumulative mass is
+  ``>= top_p``; rank 0 is always kept (its prefix mass is 0 and ``top_p > 0``).
+  Ties at the boundary follow the rank order above (lower id first). The prefix
+  sums are float32 ``cumsum`` of unnormalized ``exp(z - max z)`` compared against
+  ``top_p * total``, so a boundary within float32 rounding of ``top_p`` may fall
+  either way, deterministically for given logits. ``top_p >= 1`` keeps everything
+  exactly (no float32 cumsum may cut the far tail).
+* **One sort per row, and only when needed.** The kept set is found in sorted space,
+  then mapped back to vocabulary order by a threshold ``(value, id)`` comparison
+  (no scatter). When no sampled row of the batch uses top-k or top-p (the usual RL
+  setting, ``T = 1``), a ``lax.cond`` skips the ``[B, V]`` sort entirely. Because the
+  Gumbel noise is applied in vocabulary order, the sorted and unsorted paths draw
+  the same token for the same key, so a row's result never depends on its
+  neighbours' settings. (The sort is a stable ``lax.sort`` of ``(-z, id)`` over
+  ``[B, V]``, followed by one ``cumsum``; per-row ``top_k`` values differ, so
+  ``lax.top_k`` with a static ``k`` does not apply. GPU cost not yet measured.)
+* **Zeros are canonicalized** (``-0.0 -> 0.0``) before sorting: the sort uses a
+  total order in which ``-0.0 < 0.0`` while ``==`` does not tell them apart, and
+  the threshold comparison must agree with the sort. Logits must be finite or
+  ``-inf`` (masked vocabulary padding); NaN rows give unspecified tokens.
+* **Keys depend only on (request seed, absolute position)**; see :func:`row_keys`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+__all__ = ["SamplingConfig", "SlotSampling", "row_keys", "sample"]
+
+_SEED_LIMIT = 2**31
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """User-facing sampling settings of one request.
+
+    Attributes:
+      temperature: softmax temperature ``T``; ``0`` means greedy (argmax).
+      top_p: nucleus mass in ``(0, 1]``; ``1`` is off.
+      top_k: keep the ``top_k`` most likely tokens; ``0`` is off.
+      max_tokens: most new tokens to generate (``>= 1``).
+      stop_token_ids: tokens that end the response (besides EOS unless ``ignore_eos``);
+        the stop token itself is part of the response. A list is stored as a tuple.
+      ignore_eos: keep generating past EOS (up to ``max_tokens`` or a stop token).
+      seed: request seed in ``[0, 2**31)``; with the absolute token position it fixes
+        every draw of the request (:func:`row_keys`). Several samples of one prompt
+        (a GRPO group) need distinct seeds, or they are identical.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        # Every invalid setting, wrong types included, raises ValueError: one type for callers to catch.
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        p = self.top_p
+        if not _is_real(p) or not (0 < p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
+            raise ValueError(  # noqa: TRY004
+                f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
+        stops = tuple(self.stop_token_ids)
+        bad = [s for s in stops if not _is_int(s) or s < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be ints >= 0, got invalid entries {bad!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")  # noqa: TRY004
+        if not _is_int(self.seed) or not (0 <= self.seed < _SEED_LIMIT):
+            raise ValueError(f"seed must be an int in [0, 2**31), got {self.seed!r}")
+
+
+@flax.struct.dataclass
+class SlotSampling:
+    """Per-row sampling parameters of ``B`` decode slots (the jitted view of :class:`SamplingConfig`).
+
+    Attributes:
+      temperature: ``[B] float32``; ``0`` = greedy row.
+      top_p: ``[B] float32`` in ``(0, 1]``; ``>= 1`` = off.
+      top_k: ``[B] int32``; ``0`` (or ``>= V``) = off.
+      seed: ``[B] uint32`` request seed, in ``[0, 2**31)``.
+    """
+
+    temperature: Array
+    top_p: Array
+    top_k: Array
+    seed: Array
+
+    @classmethod
+    def from_configs(cls, configs: Sequence[SamplingConfig]) -> SlotSampling:
+        """Stacks per-request configs into rows (row ``b`` = ``configs[b]``)."""
+        if not configs:
+            raise ValueError("from_configs needs at least one SamplingConfig")
+        for i, c in enumerate(configs):
+            if not isinstance(c, SamplingConfig):
+                raise TypeError(f"configs[{i}] must be a SamplingConfig, got {type(c).__name__}")
+        return cls(
+            temperature=jnp.asarray(np.array([c.temperature for c in configs], np.float32)),
+            top_p=jnp.asarray(np.array([c.top_p for c in configs], np.float32)),
+            top_k=jnp.asarray(np.array([c.top_k for c in configs], np.int32)),
+            seed=jnp.asarray(np.array([c.seed for c in configs], np.uint32)),
+        )
+
+    @classmethod
+    def empty(cls, batch: int) -> SlotSampling:
+        """``batch`` greedy rows (``T = 0``, no top-k / top-p, seed 0): the state of idle slots."""
+        if not _is_int(batch) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        return cls(
+            temperature=jnp.zeros((batch,), jnp.float32),
+            top_p=jnp.ones((batch,), jnp.float32),
+            top_k=jnp.zeros((batch,), jnp.int32),
+            seed=jnp.zeros((batch,), jnp.uint32),
+        )
+
+
+def row_keys(seed: Array, position: Array) -> Array:
+    """One PRNG key per row: ``key_b = fold_in(key(seed_b), position_b)``.
+
+    ``seed [B]`` (uint32 or int32, in ``[0, 2**31)``) is the request seed and
+    ``position [B]`` (int32) the absolute position in the sequence of the token
+    being sampled. The key depends on nothing else, so a request's tokens are a
+    function of (its logits, seed, position) only: independent of batch
+    composition, slot index, preemption and recompute, and of how many decode steps
+    run per host round trip. The same (seed, position) always gives the same key;
+    distinct positions or seeds give independent streams. Uses JAX's default PRNG
+    implementation (threefry2x32 unless configured otherwise).
+
+    Returns a typed key array of shape ``[B]``.
+    """
+    seed = jnp.asarray(seed).astype(jnp.uint32)
+    position = jnp.asarray(position).astype(jnp.uint32)
+    if seed.ndim != 1 or seed.shape != position.shape:
+        raise ValueError(f"seed and position must both be [B]; got {seed.shape} and {position.shape}")
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
+
+
+def _kept_mask(z: Array, top_k: Array, top_p: Array) -> Array:
+    """``[B, V] bool``: the tokens that survive top-k then top-p, in vocabulary order.
+
+    One stable sort of ``-z`` per row ranks tokens (value descending, lower id first
+    on ties). Rank ``r`` is kept iff ``r < k`` and ``sum_{s<r} e_s < top_p * sum_s e_s``
+    with ``e = exp(z_sorted - max z) * [rank < k]``. The kept ranks are a prefix of
+    length ``n``; token ``j`` is kept iff ``(z_j, -j) >= (z*, -j*)`` where ``(z*, j*)``
+    is the value and id at rank ``n - 1``.
+    """
+    _, v = z.shape
+    ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    neg_sorted, sorted_ids = jax.lax.sort((-z, ids), dimension=1, num_keys=1, is_stable=True)
+    z_sorted = -neg_sorted
+    k = jnp.where((top_k <= 0) | (top_k >= v), v, top_k)[:, None]
+    in_k = ids < k  # ids doubles as the rank iota here
+    e = jnp.where(in_k, jnp.exp(z_sorted - z_sorted[:, :1]), 0.0)
+    c = jnp.cumsum(e, axis=1)
+    mass_before = jnp.concatenate([jnp.zeros_like(c[:, :1]), c[:, :-1]], axis=1)
+    in_p = (mass_before < top_p[:, None] * c[:, -1:]) | (top_p[:, None] >= 1.0)
+    n_keep = jnp.sum(in_k & in_p, axis=1, keepdims=True, dtype=jnp.int32)  # >= 1: rank 0 always kept
+    z_star = jnp.take_along_axis(z_sorted, n_keep - 1, axis=1)
+    id_star = jnp.take_along_axis(sorted_ids, n_keep - 1, axis=1)
+    return (z > z_star) | ((z == z_star) & (ids <= id_star))
+
+
+def sample(logits: Array, sampling: SlotSampling, keys: Array) -> tuple[Array, Array]:
+    """Draws one token per row; returns ``(tokens [B] int32, logprobs [B] float32)``.
+
+    Args:
+      logits: ``[B, V]`` raw logits (upcast to float32); finite or ``-inf``.
+      sampling: per-row parameters (:class:`SlotSampling` with ``[B]`` fields).
+      keys: ``[B]`` typed PRNG keys, normally ``row_keys(sampling.seed, position)``.
+
+    ``logprobs[b] = log_softmax(logits[b] / T_b)[tokens[b]]`` (``T_b = 1`` for greedy
+    rows), over the full vocabulary, before top-k / top-p truncation: see the module
+    docstring. Greedy rows return ``argmax`` (lowest id on ties); other rows draw
+    from ``softmax(logits / T)`` restricted to the top-k-then-top-p set and
+    renormalized.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
+    b, v = logits.shape
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        shape = getattr(sampling, name).shape
+        if shape != (b,):
+            raise ValueError(f"sampling.{name} must be [{b}] to match logits {logits.shape}, got {shape}")
+    if keys.shape != (b,):
+        raise ValueError(f"keys must be [{b}], got {keys.shape}")
+
+    logits = logits.astype(jnp.float32)
+    temperature = sampling.temperature.astype(jnp.float32)
+    top_p = sampling.top_p.astype(jnp.float32)
+    top_k = sampling.top_k.astype(jnp.int32)
+    greedy = temperature <= 0.0
+
+    z = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    z = jnp.where(z == 0.0, 0.0, z)  # -0.0 -> 0.0, so == agrees with the sort's total order
+    log_z = jax.nn.logsumexp(z, axis=1)
+
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+    needs_truncation = ~greedy & (((top_k > 0) & (top_k < v)) | (top_p < 1.0))
+    keep = jax.lax.cond(
+        jnp.any(needs_truncation),
+        lambda: _kept_mask(z, top_k, top_p),
+        lambda: jnp.ones(z.shape, jnp.bool_),
+    )
+    drawn = jnp.argmax(jnp.where(keep, z + gumbel, -jnp.inf), axis=1).astype(jnp.int32)
+    tokens = jnp.where(greedy, jnp.argmax(z, axis=1).astype(jnp.int32), drawn)
+
+    logprobs = jnp.take_along_axis(z, tokens[:, None], axis=1)[:, 0] - log_z
+    return tokens, logprobs

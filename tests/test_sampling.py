@@ -1,0 +1,379 @@
+"""Tests for :mod:`fp8rl_jax.rollout.sampling` (CPU, fresh random inputs from fixed numpy seeds).
+
+The statistical tests compare empirical token frequencies with the exact truncated,
+renormalized ``softmax(logits / T)`` computed in float64 numpy, by a chi-square test at
+``ALPHA = 1e-6`` each. There are ``len(STAT_CASES) = 7`` such tests, plus the 2 of
+``test_distribution_untruncated_path``, so for a sampler that is correct the chance that a
+random choice of seeds fails any of them is at most ``9 * 1e-6 = 9e-6`` (the seeds here are
+fixed, so the outcome is deterministic run to run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
+
+ALPHA = 1e-6
+N_DRAWS = 20_000
+sample_jit = jax.jit(sample)
+row_keys_jit = jax.jit(row_keys)
+
+
+def log_softmax64(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Exact float64 truncated, renormalized softmax(logits / T): rank by value desc, id asc;
+    keep the first top_k; keep rank r iff the renormalized mass before it is < top_p."""
+    z = np.asarray(logits, np.float64) / temperature
+    v = z.shape[0]
+    order = np.lexsort((np.arange(v), -z))
+    p = np.exp(log_softmax64(z))[order]
+    k = v if top_k <= 0 or top_k >= v else top_k
+    p[k:] = 0.0
+    p /= p.sum()
+    before = np.concatenate([[0.0], np.cumsum(p)[:-1]])
+    if top_p < 1.0:
+        p[before >= top_p] = 0.0
+    p /= p.sum()
+    out = np.zeros(v)
+    out[order] = p
+    return out
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit over the support of ``probs``; bins expected < 5 are pooled."""
+    n = counts.sum()
+    support = probs > 0
+    obs, exp = counts[support].astype(np.float64), probs[support] * n
+    small = exp < 5
+    if small.sum() > 0:
+        obs = np.concatenate([obs[~small], [obs[small].sum()]])
+        exp = np.concatenate([exp[~small], [exp[small].sum()]])
+    if len(obs) < 2:
+        return 1.0
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def draw(logits_row: np.ndarray, configs: list[SamplingConfig], n: int, position: int = 0):
+    """n draws per config in one call (rows = configs x draws, distinct seeds); counts [C, V]."""
+    v = logits_row.shape[0]
+    rows = [dataclasses.replace(c, seed=1000 * i + j) for i, c in enumerate(configs) for j in range(n)]
+    sp = SlotSampling.from_configs(rows)
+    logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (len(rows), v))
+    keys = row_keys_jit(sp.seed, jnp.full((len(rows),), position, jnp.int32))
+    tokens, _ = sample_jit(logits, sp, keys)
+    tokens = np.asarray(tokens).reshape(len(configs), n)
+    return np.stack([np.bincount(t, minlength=v) for t in tokens])
+
+
+# --- logprob convention ---------------------------------------------------------------------
+
+
+def test_logprob_convention_full_distribution_before_truncation():
+    rng = np.random.default_rng(0)
+    b, v = 64, 1000
+    logits = (rng.normal(size=(b, v)) * 3.0).astype(np.float32)
+    temps = [0.0, 0.7, 1.0, 1.3]
+    truncs = [(0, 1.0), (5, 1.0), (0, 0.5), (20, 0.9)]
+    configs = [SamplingConfig(temperature=temps[i % 4], top_k=truncs[(i // 4) % 4][0],
+                              top_p=truncs[(i // 4) % 4][1], seed=i) for i in range(b)]
+    sp = SlotSampling.from_configs(configs)
+    tokens, logprobs = sample_jit(jnp.asarray(logits), sp, row_keys_jit(sp.seed, jnp.arange(b)))
+    tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+    assert tokens.dtype == np.int32 and logprobs.dtype == np.float32
+    n_differs = 0
+    for i, c in enumerate(configs):
+        t = c.temperature if c.temperature > 0 else 1.0
+        full = log_softmax64(logits[i] / np.float64(t))
+        np.testing.assert_allclose(logprobs[i], full[tokens[i]], rtol=1e-5, atol=2e-5, err_msg=f"row {i} {c}")
+        if c.temperature > 0 and (c.top_k or c.top_p < 1):
+            p_trunc = reference_probs(logits[i], c.temperature, c.top_k, c.top_p)
+            assert p_trunc[tokens[i]] > 0, f"row {i} sampled a truncated token"
+            if abs(np.log(p_trunc[tokens[i]]) - full[tokens[i]]) > 1e-2:
+                n_differs += 1  # the returned value is not the truncated-renormalized logprob
+    assert n_differs >= 20
+
+
+def test_truncation_does_not_change_logprob():
+    """The same token under truncated and untruncated settings gets the identical logprob."""
+    rng = np.random.default_rng(1)
+    b, v = 32, 500
+    logits = jnp.asarray((rng.normal(size=(b, v)) * 4.0).astype(np.float32))
+    keys = row_keys_jit(jnp.arange(b, dtype=jnp.uint32), jnp.full((b,), 7))
+    plain = SlotSampling.from_configs([SamplingConfig(temperature=0.9, seed=i) for i in range(b)])
+    trunc = SlotSampling.from_configs([SamplingConfig(temperature=0.9, top_k=3, top_p=0.8, seed=i)
+                                       for i in range(b)])
+    t_plain, lp_plain = map(np.asarray, sample_jit(logits, plain, keys))
+    t_trunc, lp_trunc = map(np.asarray, sample_jit(logits, trunc, keys))
+    same = t_plain == t_trunc
+    assert same.sum() >= 8  # at T=0.9 with scale-4 logits most draws hit the top tokens
+    np.testing.assert_array_equal(lp_plain[same], lp_trunc[same])
+    # every logprob is the full-distribution one, whatever the truncation
+    full = log_softmax64(np.asarray(logits) / 0.9)
+    np.testing.assert_allclose(lp_trunc, full[np.arange(b), t_trunc], rtol=1e-5, atol=2e-5)
+
+
+# --- greedy -----------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_lowest_index_on_ties():
+    rng = np.random.default_rng(2)
+    b, v = 16, 300
+    logits = (rng.normal(size=(b, v)) * 2.0).astype(np.float32)
+    logits[3, [10, 200]] = logits[3].max() + 1.0  # tie -> lowest id
+    logits[4, :] = 0.0  # all tied, mixed signs of zero
+    logits[4, ::2] = -0.0
+    logits[5, :50] = -np.inf  # masked entries
+    configs = [SamplingConfig(temperature=0.0, top_k=(i % 3) * 2, top_p=[1.0, 0.3][i % 2], seed=i)
+               for i in range(b)]
+    sp = SlotSampling.from_configs(configs)
+    keys = row_keys_jit(sp.seed, jnp.arange(b) * 13)
+    tokens, logprobs = map(np.asarray, sample_jit(jnp.asarray(logits), sp, keys))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=1))
+    assert tokens[3] == 10 and tokens[4] == 0
+    full = log_softmax64(logits)
+    np.testing.assert_allclose(logprobs, full[np.arange(b), tokens], rtol=1e-5, atol=2e-5)
+    # keys do not matter for greedy rows
+    tokens2, _ = sample_jit(jnp.asarray(logits), sp, row_keys_jit(sp.seed + 1, jnp.arange(b)))
+    np.testing.assert_array_equal(tokens2, tokens)
+
+
+# --- distribution -----------------------------------------------------------------------------
+
+STAT_LOGITS = (np.random.default_rng(4).normal(size=10) * 0.7).astype(np.float32)
+STAT_CASES = {
+    "T1": SamplingConfig(temperature=1.0),
+    "T0.5": SamplingConfig(temperature=0.5),
+    "top_k3": SamplingConfig(temperature=1.0, top_k=3),
+    "top_p0.6": SamplingConfig(temperature=1.0, top_p=0.6),
+    "top_k5_top_p0.7_T0.8": SamplingConfig(temperature=0.8, top_k=5, top_p=0.7),
+    "off_explicit_T1.3": SamplingConfig(temperature=1.3, top_k=0, top_p=1.0),
+    "top_k_ge_V": SamplingConfig(temperature=1.0, top_k=10, top_p=1.0),
+}
+
+
+@pytest.fixture(scope="module")
+def stat_counts():
+    """All cases in one call: truncating rows force the sorted path for every row."""
+    return draw(STAT_LOGITS, list(STAT_CASES.values()), N_DRAWS)
+
+
+@pytest.mark.parametrize("name", list(STAT_CASES))
+def test_distribution_matches_truncated_softmax(name, stat_counts):
+    c = STAT_CASES[name]
+    counts = stat_counts[list(STAT_CASES).index(name)]
+    probs = reference_probs(STAT_LOGITS, c.temperature, c.top_k, c.top_p)
+    if c.top_p < 1:  # the fixture must not sit on a top-p boundary
+        p_k = reference_probs(STAT_LOGITS, c.temperature, c.top_k, 1.0)
+        before = np.concatenate([[0.0], np.cumsum(np.sort(p_k)[::-1])[:-1]])
+        assert np.min(np.abs(before - c.top_p)) > 0.02
+    expected_kept = {"top_k3": 3}.get(name)
+    if expected_kept:
+        assert (probs > 0).sum() == expected_kept
+    assert counts.sum() == N_DRAWS
+    assert counts[probs == 0].sum() == 0, f"{name}: truncated tokens were sampled: {counts}"
+    p = chi_square_pvalue(counts, probs)
+    assert p > ALPHA, f"{name}: chi-square p={p:.3g}; counts={counts}, expected={probs * N_DRAWS}"
+
+
+def test_topk_topp_cases_truncate():
+    """Guards the fixture: the truncating cases really drop tokens, the 'off' ones do not."""
+    kept = {n: int((reference_probs(STAT_LOGITS, c.temperature, c.top_k, c.top_p) > 0).sum())
+            for n, c in STAT_CASES.items()}
+    assert kept["top_k3"] == 3 and 1 < kept["top_p0.6"] < 10 and 1 < kept["top_k5_top_p0.7_T0.8"] < 5
+    assert kept["T1"] == kept["off_explicit_T1.3"] == kept["top_k_ge_V"] == 10
+
+
+def test_distribution_untruncated_path():
+    """A batch with no truncating row skips the sort; its draws still follow softmax(z / T)."""
+    configs = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.5)]
+    counts = draw(STAT_LOGITS, configs, N_DRAWS, position=5)
+    for c, cnt in zip(configs, counts):
+        probs = reference_probs(STAT_LOGITS, c.temperature, 0, 1.0)
+        p = chi_square_pvalue(cnt, probs)
+        assert p > ALPHA, f"T={c.temperature}: chi-square p={p:.3g}; counts={cnt}"
+
+
+def test_top_p_keeps_at_least_top_token():
+    logits = np.array([5.0, 1.0, 0.0, -1.0], np.float32)
+    counts = draw(logits, [SamplingConfig(top_p=1e-6), SamplingConfig(top_p=0.5, top_k=2)], 200)
+    assert counts[0, 0] == 200 and counts[1, 0] == 200
+
+
+def test_ties_at_boundaries_break_by_lower_id():
+    """Four tied logits and a small fifth: top_k=2 keeps ids 0 and 1 (tie at the k-th value ->
+    lower ids). top_p=0.5: each tie has p = 1 / (4 + e^-3) = 0.247, so the mass before rank 2 is
+    0.494 < 0.5 (kept) and before rank 3 is 0.741 (dropped): ids {0, 1, 2}, never id 3."""
+    logits = np.array([0.0, 0.0, 0.0, 0.0, -3.0], np.float32)
+    configs = [SamplingConfig(top_k=2), SamplingConfig(top_p=0.5)]
+    counts = draw(logits, configs, 2000)
+    for c, cnt in zip(configs, counts):
+        probs = reference_probs(logits, 1.0, c.top_k, c.top_p)
+        assert cnt[probs == 0].sum() == 0, cnt
+        assert cnt[probs > 0].min() > 0, cnt
+    assert set(np.flatnonzero(counts[0])) == {0, 1}
+    assert set(np.flatnonzero(counts[1])) == {0, 1, 2}
+
+
+# --- seeds and determinism --------------------------------------------------------------------
+
+
+def test_same_seed_and_position_reproduce():
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.normal(size=(8, 100)).astype(np.float32))
+    sp = SlotSampling.from_configs([SamplingConfig(temperature=1.0, top_p=0.95, seed=77)] * 8)
+    keys = row_keys_jit(sp.seed, jnp.full((8,), 12))
+    a = sample_jit(logits, sp, keys)
+    b = sample_jit(logits, sp, row_keys_jit(sp.seed, jnp.full((8,), 12)))
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    assert jax.random.key_data(keys[0]).tolist() == jax.random.key_data(row_keys(jnp.array([77]),
+                                                                                  jnp.array([12]))[0]).tolist()
+
+
+def test_different_positions_and_seeds_give_different_streams():
+    v, t = 1000, 64
+    logits = jnp.zeros((t, v), jnp.float32)  # uniform: each draw is a fresh uniform id
+
+    def stream(seed):
+        sp = SlotSampling.from_configs([SamplingConfig(temperature=1.0, seed=seed)] * t)
+        return np.asarray(sample_jit(logits, sp, row_keys_jit(sp.seed, jnp.arange(t)))[0])
+
+    s1, s2, s1_again = stream(1), stream(2), stream(1)
+    np.testing.assert_array_equal(s1, s1_again)
+    assert len(set(s1.tolist())) > t // 2  # positions decorrelate draws within a request
+    assert (s1 != s2).mean() > 0.9  # seeds decorrelate requests
+    keys = jax.random.key_data(row_keys(jnp.array([1, 1, 2, 2]), jnp.array([0, 1, 0, 1])))
+    assert len({tuple(k) for k in np.asarray(keys).tolist()}) == 4
+
+
+def test_batch_composition_and_slot_do_not_matter():
+    """Request R alone (no truncation anywhere: sort skipped) and R scattered over rows of a
+    bigger batch with greedy and truncating neighbours (sorted path) give identical results."""
+    rng = np.random.default_rng(5)
+    t, v = 48, 64
+    r_logits = (rng.normal(size=(t, v)) * 2.0).astype(np.float32)
+    r_cfg = SamplingConfig(temperature=1.0, seed=123)
+    alone = SlotSampling.from_configs([r_cfg] * t)
+    tok_a, lp_a = map(np.asarray, sample_jit(jnp.asarray(r_logits), alone, row_keys_jit(alone.seed, jnp.arange(t))))
+
+    big = 3 * t
+    slots = rng.permutation(big)[:t]
+    logits = (rng.normal(size=(big, v)) * 2.0).astype(np.float32)
+    logits[slots] = r_logits
+    others = [SamplingConfig(temperature=float(rng.choice([0.0, 0.6, 1.0])), top_k=int(rng.integers(0, 8)),
+                             top_p=float(rng.choice([0.5, 0.9, 1.0])), seed=int(rng.integers(0, 2**31)))
+              for _ in range(big)]
+    configs = list(others)
+    positions = rng.integers(0, 1000, size=big)
+    for pos, s in enumerate(slots):
+        configs[s] = r_cfg
+        positions[s] = pos
+    sp = SlotSampling.from_configs(configs)
+    tok_b, lp_b = map(np.asarray, sample_jit(jnp.asarray(logits), sp, row_keys_jit(sp.seed, jnp.asarray(positions))))
+    np.testing.assert_array_equal(tok_b[slots], tok_a)
+    np.testing.assert_allclose(lp_b[slots], lp_a, rtol=1e-6, atol=1e-6)
+
+
+def test_steps_per_round_trip_do_not_matter():
+    """A fused lax.scan over 6 positions draws what 6 separate calls draw."""
+    rng = np.random.default_rng(6)
+    b, v, steps = 4, 50, 6
+    logits = jnp.asarray(rng.normal(size=(steps, b, v)).astype(np.float32))
+    sp = SlotSampling.from_configs([SamplingConfig(temperature=0.8, top_k=10, seed=s) for s in (0, 5, 9, 5)])
+    start = jnp.array([3, 3, 40, 100])
+
+    @jax.jit
+    def fused(logits):
+        def step(pos, lg):
+            return pos + 1, sample(lg, sp, row_keys(sp.seed, pos))[0]
+        return jax.lax.scan(step, start, logits)[1]
+
+    separate = [np.asarray(sample_jit(logits[i], sp, row_keys_jit(sp.seed, start + i))[0]) for i in range(steps)]
+    np.testing.assert_array_equal(np.asarray(fused(logits)), np.stack(separate))
+
+
+# --- shapes, containers, validation -------------------------------------------------------------
+
+
+def test_full_size_shapes():
+    b, v = 256, 151936
+    sp = jax.eval_shape(lambda: SlotSampling.empty(b))
+    keys = jax.eval_shape(row_keys, sp.seed, jax.ShapeDtypeStruct((b,), jnp.int32))
+    tokens, logprobs = jax.eval_shape(sample, jax.ShapeDtypeStruct((b, v), jnp.float32), sp, keys)
+    assert tokens.shape == (b,) and tokens.dtype == jnp.int32
+    assert logprobs.shape == (b,) and logprobs.dtype == jnp.float32
+
+
+def test_real_vocab_smoke():
+    """Qwen3 vocabulary size, a few rows mixing every mode."""
+    b, v = 4, 151936
+    logits = jax.random.normal(jax.random.key(0), (b, v)) * 3.0
+    sp = SlotSampling.from_configs([SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_k=50),
+                                    SamplingConfig(temperature=1.0, top_p=0.9), SamplingConfig(temperature=1.2)])
+    tokens, logprobs = map(np.asarray, sample_jit(logits, sp, row_keys_jit(sp.seed, jnp.arange(b))))
+    z = np.asarray(logits, np.float64) / np.array([1.0, 0.7, 1.0, 1.2])[:, None]
+    np.testing.assert_allclose(logprobs, log_softmax64(z)[np.arange(b), tokens], rtol=1e-5, atol=5e-5)
+    assert tokens[0] == int(np.argmax(np.asarray(logits)[0]))
+    assert tokens[1] in np.argsort(-z[1])[:50]
+
+
+def test_slot_sampling_containers():
+    cfgs = [SamplingConfig(temperature=0.5, top_p=0.9, top_k=7, seed=2**31 - 1), SamplingConfig()]
+    sp = SlotSampling.from_configs(cfgs)
+    assert sp.temperature.dtype == jnp.float32 and sp.top_p.dtype == jnp.float32
+    assert sp.top_k.dtype == jnp.int32 and sp.seed.dtype == jnp.uint32
+    np.testing.assert_array_equal(sp.top_k, [7, 0])
+    assert int(sp.seed[0]) == 2**31 - 1
+    e = SlotSampling.empty(3)
+    np.testing.assert_array_equal(e.temperature, [0, 0, 0])
+    np.testing.assert_array_equal(e.top_p, [1, 1, 1])
+    assert jax.tree_util.tree_structure(e) == jax.tree_util.tree_structure(sp)
+    with pytest.raises(ValueError, match="at least one"):
+        SlotSampling.from_configs([])
+    with pytest.raises(TypeError, match="SamplingConfig"):
+        SlotSampling.from_configs([{"temperature": 1.0}])
+    with pytest.raises(ValueError, match="batch"):
+        SlotSampling.empty(0)
+
+
+def test_sampling_config_defaults_and_coercion():
+    c = SamplingConfig(stop_token_ids=[3, 4])
+    assert c.stop_token_ids == (3, 4) and hash(c)
+    assert (c.temperature, c.top_p, c.top_k, c.max_tokens, c.ignore_eos, c.seed) == (1.0, 1.0, 0, 256, False, 0)
+    SamplingConfig(temperature=0, top_p=1, top_k=5, max_tokens=1, seed=np.int64(5))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_p": -0.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 3.0}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**31}, "seed"),
+    ({"seed": 1.0}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"stop_token_ids": (1, -2)}, "stop_token_ids"),
+    ({"stop_token_ids": "12"}, "stop_token_ids"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
+])
+def test_sampling_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
