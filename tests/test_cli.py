@@ -67,9 +67,6 @@ def test_score_bad_paths_and_modes(model_dir, tmp_path):
     proc = run_cli("score", "--model", str(model_dir[0]), "--tokens", str(tmp_path / "missing.npy"),
                    "--out", str(tmp_path / "out.npy"))
     assert proc.returncode == 2 and "missing.npy: file not found" in proc.stderr
-    for mode in ("kv", "all"):
-        proc = run_cli("score", "--model", str(model_dir[0]), *common, "--fp8", mode)
-        assert proc.returncode == 2 and "not yet supported" in proc.stderr
     proc = run_cli("score", "--model", str(model_dir[0]), *common, "--fp8", "fp4")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
     assert not (tmp_path / "out.npy").exists()
@@ -98,9 +95,11 @@ def test_generate_contract(model_dir, tmp_path):
         prompts, sampling)
     assert out["tokens"] == ref.token_lists()
     np.testing.assert_allclose(out["logprobs"], ref.logprob_lists(), atol=1e-5)
-    proc = run_cli("generate", "--model", str(folder), "--prompts", str(tmp_path / "in.json"), "--max-new-tokens", "3",
-                   "--fp8", "w8a8", "--out", str(tmp_path / "w8.json"))
-    assert proc.returncode == 0, proc.stderr
+    for mode in ("w8a8", "kv", "all"):
+        proc = run_cli("generate", "--model", str(folder), "--prompts", str(tmp_path / "in.json"), "--max-new-tokens",
+                       "3", "--fp8", mode, "--out", str(tmp_path / f"{mode}.json"))
+        assert proc.returncode == 0, proc.stderr
+        assert [len(t) for t in json.loads((tmp_path / f"{mode}.json").read_text())["tokens"]] == [3, 3, 3]
 
 
 @pytest.mark.parametrize(
@@ -111,9 +110,8 @@ def test_generate_contract(model_dir, tmp_path):
         ([[1] * 600], [], "request 0: .*max_seq_len"),
         ([[1, 2]], ["--max-new-tokens", "0"], "max_tokens"),
         ("not a list", [], "expected a non-empty JSON list"),
-        ([[1, 2]], ["--fp8", "kv"], "not yet supported"),
     ],
-    ids=["empty", "vocab", "too_long", "max_tokens", "format", "kv"],
+    ids=["empty", "vocab", "too_long", "max_tokens", "format"],
 )
 def test_generate_bad_input(model_dir, tmp_path, prompts, extra, match):
     import json

@@ -159,7 +159,8 @@ def test_score_w8a8_error_vs_bf16_is_bounded(odd_model, tmp_path):
     tokens = np.random.default_rng(6).integers(0, ODD.vocab_size, (4, 16)).astype(np.int32)
     np.save(tmp_path / "in.npy", tokens)
     outs = {}
-    for mode, dtype in [("none", "float32"), ("none", "bfloat16"), ("w8a8", "bfloat16")]:
+    for mode, dtype in [("none", "float32"), ("none", "bfloat16"), ("w8a8", "bfloat16"), ("kv", "bfloat16"),
+                        ("all", "bfloat16")]:
         proc = run_cli("score", "--model", str(odd_model / "bf16"), "--tokens", str(tmp_path / "in.npy"),
                        "--out", str(tmp_path / f"{mode}{dtype}.npy"), "--fp8", mode, "--dtype", dtype)
         assert proc.returncode == 0, proc.stderr
@@ -170,6 +171,12 @@ def test_score_w8a8_error_vs_bf16_is_bounded(odd_model, tmp_path):
     print(f"w8a8 vs bf16 logits: relative error {err:.4f}, top-1 agreement {top1:.2f}; bf16 vs fp32 {err_bf16:.4f}")
     assert err_bf16 < err < 16 * err_bf16
     assert top1 > 0.5
+    # FP8 KV cache (E4M3 pages, per-layer scales calibrated on the scored tokens); same 16x
+    # mantissa argument, doubled for per-tensor scales (tests/test_kv_cache.py); "all" adds both
+    err_kv, err_all = rel_err(outs["kv", "bfloat16"], bf16), rel_err(outs["all", "bfloat16"], bf16)
+    print(f"kv vs bf16 {err_kv:.4f}; all vs bf16 {err_all:.4f}")
+    assert err_bf16 < err_kv < 32 * err_bf16
+    assert err_bf16 < err_all < err + err_kv + err_bf16
 
 
 def test_fp8_checkpoint_errors(odd_model, tmp_path):

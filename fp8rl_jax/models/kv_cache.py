@@ -168,3 +168,28 @@ class PagedKVCache:
 
     def advance(self, num_new: jax.Array) -> "PagedKVCache":
         return self.replace(lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
+
+
+def calibrate_kv_scales(params, tokens, lengths, *, config, policy, percentile: float = 99.9,
+                        margin: float = 1.05, fmt_max: float = 448.0) -> tuple[jax.Array, jax.Array]:
+    """Per-layer FP8 K/V scales from a forward pass: ``percentile(|x|) * margin / fmt_max``.
+
+    Runs the model on ``tokens`` [B, T] (``lengths`` [B] real tokens per row) with a contiguous
+    cache, so K and V are taken exactly where the cache stores them: after k-norm and RoPE. The
+    percentile (default p99.9, x1.05) ignores rare outliers that an amax would let set the
+    scale; larger values saturate at the FP8 maximum. Trainer-side calibration calls this with
+    the trainer's params and policy on a calibration batch; inference-side, the engine calls it
+    with its own on the first prompts after a weight update. Returns (k_scale [L], v_scale [L]).
+    """
+    from fp8rl_jax.models.qwen3 import forward  # the model imports this module
+
+    B, T = tokens.shape
+    cache = KVCache.init(config.num_layers, B, T, config.num_kv_heads, config.head_dim, jnp.float32)
+    _, cache = forward(params, tokens, config=config, policy=policy, cache=cache, num_new=lengths)
+    valid = (jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None])[:, :, None, None]
+
+    def scales(buffers):
+        vals = [jnp.nanpercentile(jnp.where(valid, jnp.abs(x), jnp.nan), percentile) for x in buffers]
+        return jnp.maximum(jnp.stack(vals) * margin, 1e-12) / fmt_max
+
+    return scales(cache.k), scales(cache.v)

@@ -18,6 +18,12 @@ Design:
   are freed and it goes back to the front of the queue with what it generated so far, to be
   recomputed by a later prefill. Sampling keys depend only on (request seed, token position),
   so preemption never changes the tokens.
+- FP8 KV (precision KV or ALL): the page pool is E4M3 with per-layer K/V scales. Every
+  ``update_weights`` marks the scales stale; they are recalibrated before the next generation
+  either inference-side (``KvCalibration.INFERENCE``: ``calibrate_kv_scales`` on the engine's own
+  params over the first prompts of that call) or trainer-side (``KvCalibration.TRAINER``: the
+  trainer calls ``calibrate_kv_scales`` on its calibration batch and ``set_kv_scales``; until it
+  does, ``generate`` refuses to run). Stale scales cannot be used.
 - Bad input (empty prompt, ids outside the vocabulary, a prompt that cannot fit, bad sampling
   settings) raises ``ValueError`` naming the request before anything runs.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import functools
 import math
 from typing import Any, Sequence
@@ -34,13 +41,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8rl_jax.models import DensePolicy, Fp8Mode, ModelConfig, PagedKVCache, forward
+from fp8rl_jax.models import DensePolicy, Fp8Mode, ModelConfig, PagedKVCache, calibrate_kv_scales, forward
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
 
 _FINISH_CODES = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.MAX_LEN}
 _NO_STOP = -1
+
+
+class KvCalibration(enum.Enum):
+    """Where FP8 KV scales come from after each weight update."""
+
+    INFERENCE = "inference"  # the engine measures them on the first prompts it serves
+    TRAINER = "trainer"  # the trainer measures them on a calibration batch and syncs them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +70,11 @@ class EngineConfig:
       steps_per_call: decode steps per host round trip.
       prefill_batch: prompts per prefill call.
       prefill_buckets: padded prompt lengths (one compilation each).
-      precision: FP8 mode (NONE or W8A8 today; the FP8 KV modes need scale calibration).
+      precision: FP8 mode: NONE, W8A8 (FP8 linears), KV (FP8 KV cache) or ALL.
       dtype: compute dtype of everything not in FP8.
+      kv_calibration: where FP8 KV scales come from after a weight update.
+      kv_calibration_prompts: prompts used by inference-side calibration.
+      kv_percentile, kv_margin: scale = percentile(|x|) * margin / 448.
     """
 
     max_slots: int = 32
@@ -70,6 +87,10 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
     precision: Fp8Mode = Fp8Mode.NONE
     dtype: str = "bfloat16"
+    kv_calibration: KvCalibration = KvCalibration.INFERENCE
+    kv_calibration_prompts: int = 16
+    kv_percentile: float = 99.9
+    kv_margin: float = 1.05
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -79,8 +100,14 @@ class EngineConfig:
             raise ValueError("EngineConfig needs num_pages > 0 or kv_budget_gib > 0")
         if not isinstance(self.precision, Fp8Mode):
             raise ValueError(f"EngineConfig.precision must be an Fp8Mode, got {self.precision!r}")
-        if self.precision in (Fp8Mode.KV, Fp8Mode.ALL):
-            raise ValueError(f"precision {self.precision.value} (FP8 KV cache) is not supported by the engine yet")
+        if not isinstance(self.kv_calibration, KvCalibration):
+            raise ValueError(f"EngineConfig.kv_calibration must be a KvCalibration, got {self.kv_calibration!r}")
+        if not 0 < self.kv_percentile <= 100 or self.kv_margin <= 0 or self.kv_calibration_prompts < 1:
+            raise ValueError("EngineConfig needs 0 < kv_percentile <= 100, kv_margin > 0, kv_calibration_prompts >= 1")
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.precision in (Fp8Mode.KV, Fp8Mode.ALL)
 
 
 @dataclasses.dataclass
@@ -108,7 +135,7 @@ class JaxEngine:
         fp8 = config.precision in (Fp8Mode.W8A8, Fp8Mode.ALL)
         self.policy = W8A8Policy(config.dtype) if fp8 else DensePolicy(config.dtype)
         self._quantize = jax.jit(functools.partial(quantize_params, config=model_config)) if fp8 else None
-        kv_dtype = jnp.dtype(config.dtype)
+        kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.fp8_kv else jnp.dtype(config.dtype)
         cfg = model_config
         bytes_per_page = 2 * cfg.num_layers * config.page_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
         self.num_pages = config.num_pages or int(config.kv_budget_gib * 2**30 // bytes_per_page)
@@ -129,12 +156,44 @@ class JaxEngine:
         return self.num_pages // self.max_pages
 
     def update_weights(self, params: Any) -> None:
-        """Swaps in new parameters (re-quantized to FP8 when the engine runs W8A8)."""
+        """Swaps in new parameters (re-quantized to FP8 when the engine runs W8A8); FP8 KV scales
+        become stale and are recalibrated (or must be synced) before the next generation."""
         self.params = self._quantize(params) if self._quantize is not None else params
+        self.kv_scales_fresh = False
+
+    def set_kv_scales(self, k_scale: Any, v_scale: Any) -> None:
+        """Trainer-side FP8 KV scales ([L] float32 each, from ``calibrate_kv_scales``)."""
+        L = self.model_config.num_layers
+        # copies: the cache is donated to the device steps, and the caller keeps its arrays
+        k_scale, v_scale = jnp.array(k_scale, jnp.float32, copy=True), jnp.array(v_scale, jnp.float32, copy=True)
+        if k_scale.shape != (L,) or v_scale.shape != (L,):
+            raise ValueError(f"KV scales must have shape ({L},), got {k_scale.shape} and {v_scale.shape}")
+        if not (bool(jnp.all(jnp.isfinite(k_scale)) & jnp.all(k_scale > 0))
+                and bool(jnp.all(jnp.isfinite(v_scale)) & jnp.all(v_scale > 0))):
+            raise ValueError("KV scales must be finite and positive")
+        self.cache = self.cache.replace(k_scale=k_scale, v_scale=v_scale)
+        self.kv_scales_fresh = True
+
+    def _ensure_kv_scales(self, requests: list[_Request]) -> None:
+        if not self.config.fp8_kv or self.kv_scales_fresh:
+            return
+        if self.config.kv_calibration is KvCalibration.TRAINER:
+            raise RuntimeError("FP8 KV scales are stale after update_weights: with trainer-side calibration the "
+                               "trainer must call calibrate_kv_scales and set_kv_scales first")
+        sample_reqs = requests[: self.config.kv_calibration_prompts]
+        T = self._bucket(max(len(r.prompt) for r in sample_reqs))
+        tokens = np.zeros((len(sample_reqs), T), np.int32)
+        for i, r in enumerate(sample_reqs):
+            tokens[i, : len(r.prompt)] = r.prompt
+        lengths = np.array([len(r.prompt) for r in sample_reqs], np.int32)
+        k, v = _calibrate(self.params, jnp.asarray(tokens), jnp.asarray(lengths), config=self.model_config,
+                          policy=self.policy, percentile=self.config.kv_percentile, margin=self.config.kv_margin)
+        self.set_kv_scales(k, v)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[SamplingConfig]
                  ) -> RolloutBatch:
         requests = self._validate(prompts, sampling)
+        self._ensure_kv_scales(requests)
         self._run(requests)
         n = len(requests)
         width = max([len(r.generated) for r in requests] + [1])
@@ -319,6 +378,9 @@ class JaxEngine:
 # --------------------------------------------------------------------------- jitted device steps
 # Module-level, with the model config, policy and length limit static: engines with the same
 # settings share compilations (the RL loop, tests and benchmarks build several).
+
+
+_calibrate = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy", "percentile", "margin", "fmt_max"))
 
 
 def _finish_code(tok, stops, remaining, lengths, max_seq_len: int):
