@@ -62,6 +62,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO)
 
 
+def run_cli_here(capsys, *args: str) -> tuple[int, str]:
+    """Runs ``fp8rl ARGS`` in this process (for error paths: no interpreter start, no jax import);
+    returns (exit status, stderr)."""
+    from fp8rl_jax.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse rejects its own arguments this way
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
 def rel_err(x, ref) -> float:
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs.models import tiny_qwen3
-from conftest import run_cli
+from conftest import run_cli, run_cli_here
 from fp8rl_jax.checkpoint import save_checkpoint
 from fp8rl_jax.models import DensePolicy, forward, init_params
 
@@ -48,31 +48,31 @@ def test_score_writes_float32_logits(model_dir, tmp_path):
     ],
     ids=["too_big", "negative", "rank", "empty", "float", "too_long"],
 )
-def test_score_bad_tokens(model_dir, tmp_path, tokens, match):
+def test_score_bad_tokens(model_dir, tmp_path, capsys, tokens, match):
     np.save(tmp_path / "in.npy", tokens)
-    proc = run_cli("score", "--model", str(model_dir[0]), "--tokens", str(tmp_path / "in.npy"),
-                   "--out", str(tmp_path / "out.npy"))
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("error: ") and re.search(match, proc.stderr), proc.stderr
+    rc, err = run_cli_here(capsys, "score", "--model", str(model_dir[0]), "--tokens", str(tmp_path / "in.npy"),
+                           "--out", str(tmp_path / "out.npy"))
+    assert rc == 2
+    assert err.startswith("error: ") and re.search(match, err), err
     assert not (tmp_path / "out.npy").exists()
 
 
-def test_score_bad_paths_and_modes(model_dir, tmp_path):
+def test_score_bad_paths_and_modes(model_dir, tmp_path, capsys):
     np.save(tmp_path / "in.npy", np.zeros((1, 4), np.int32))
     common = ["--tokens", str(tmp_path / "in.npy"), "--out", str(tmp_path / "out.npy")]
-    proc = run_cli("score", "--model", str(tmp_path / "nope"), *common)
-    assert proc.returncode == 2 and "not a directory" in proc.stderr
-    proc = run_cli("score", "--model", str(tmp_path), *common)
-    assert proc.returncode == 2 and "config.json" in proc.stderr
-    proc = run_cli("score", "--model", str(model_dir[0]), "--tokens", str(tmp_path / "missing.npy"),
-                   "--out", str(tmp_path / "out.npy"))
-    assert proc.returncode == 2 and "missing.npy: file not found" in proc.stderr
-    proc = run_cli("score", "--model", str(model_dir[0]), *common, "--fp8", "fp4")
-    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+    rc, err = run_cli_here(capsys, "score", "--model", str(tmp_path / "nope"), *common)
+    assert rc == 2 and "not a directory" in err
+    rc, err = run_cli_here(capsys, "score", "--model", str(tmp_path), *common)
+    assert rc == 2 and "config.json" in err
+    rc, err = run_cli_here(capsys, "score", "--model", str(model_dir[0]), "--tokens", str(tmp_path / "missing.npy"),
+                           "--out", str(tmp_path / "out.npy"))
+    assert rc == 2 and "missing.npy: file not found" in err
+    rc, err = run_cli_here(capsys, "score", "--model", str(model_dir[0]), *common, "--fp8", "fp4")
+    assert rc == 2 and "invalid choice" in err
     assert not (tmp_path / "out.npy").exists()
 
 
-def test_generate_contract(model_dir, tmp_path):
+def test_generate_contract(model_dir, tmp_path, capsys):
     """`fp8rl generate` writes only the generated tokens and their logprobs, as the engine does."""
     import json
 
@@ -95,10 +95,10 @@ def test_generate_contract(model_dir, tmp_path):
         prompts, sampling)
     assert out["tokens"] == ref.token_lists()
     np.testing.assert_allclose(out["logprobs"], ref.logprob_lists(), atol=1e-5)
-    for mode in ("w8a8", "kv", "all"):
-        proc = run_cli("generate", "--model", str(folder), "--prompts", str(tmp_path / "in.json"), "--max-new-tokens",
-                       "3", "--fp8", mode, "--out", str(tmp_path / f"{mode}.json"))
-        assert proc.returncode == 0, proc.stderr
+    for mode in ("w8a8", "kv", "all"):  # the other precisions, in this process (no interpreter start each)
+        rc, err = run_cli_here(capsys, "generate", "--model", str(folder), "--prompts", str(tmp_path / "in.json"),
+                               "--max-new-tokens", "3", "--fp8", mode, "--out", str(tmp_path / f"{mode}.json"))
+        assert rc == 0, err
         assert [len(t) for t in json.loads((tmp_path / f"{mode}.json").read_text())["tokens"]] == [3, 3, 3]
 
 
@@ -113,7 +113,7 @@ def test_generate_contract(model_dir, tmp_path):
     ],
     ids=["empty", "vocab", "too_long", "max_tokens", "format"],
 )
-def test_generate_bad_input(model_dir, tmp_path, prompts, extra, match):
+def test_generate_bad_input(model_dir, tmp_path, capsys, prompts, extra, match):
     import json
 
     (tmp_path / "in.json").write_text(json.dumps(prompts))
@@ -122,6 +122,6 @@ def test_generate_bad_input(model_dir, tmp_path, prompts, extra, match):
     if "--max-new-tokens" in extra:
         args[args.index("--max-new-tokens") + 1] = extra[1]
         extra = []
-    proc = run_cli(*args, *extra)
-    assert proc.returncode == 2 and re.search(match, proc.stderr), proc.stderr
+    rc, err = run_cli_here(capsys, *args, *extra)
+    assert rc == 2 and re.search(match, err), err
     assert not (tmp_path / "out.json").exists()

@@ -15,7 +15,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from configs.models import tiny_qwen3, tiny_qwen3_moe
-from conftest import rel_err, run_cli
+from conftest import rel_err, run_cli, run_cli_here
 from fp8rl_jax.checkpoint import CheckpointError, SafetensorsFile, load_checkpoint, save_checkpoint
 from fp8rl_jax.models import DensePolicy, Proj, Site, forward, init_params
 from fp8rl_jax.quant import QuantizedWeight, quantize_activations, quantize_weight_blockwise
@@ -147,7 +147,7 @@ def test_quantize_cli_writes_the_hf_fp8_convention(odd_model, tmp_path):
     np.testing.assert_allclose(outs["fp8ckpt"], np.asarray(inproc), rtol=1e-5, atol=1e-5)
 
 
-def test_score_w8a8_error_vs_bf16_is_bounded(odd_model, tmp_path):
+def test_score_w8a8_error_vs_bf16_is_bounded(odd_model, tmp_path, capsys):
     """FP8 W8A8 logits against BF16 on a random 3-layer MoE (weights ~ 1/sqrt(fan_in)).
 
     Bound derivation: E4M3 keeps 3 mantissa bits and BF16 7, so each rounding is up to 2^4 = 16x
@@ -161,31 +161,33 @@ def test_score_w8a8_error_vs_bf16_is_bounded(odd_model, tmp_path):
     outs = {}
     for mode, dtype in [("none", "float32"), ("none", "bfloat16"), ("w8a8", "bfloat16"), ("kv", "bfloat16"),
                         ("all", "bfloat16")]:
-        proc = run_cli("score", "--model", str(odd_model / "bf16"), "--tokens", str(tmp_path / "in.npy"),
-                       "--out", str(tmp_path / f"{mode}{dtype}.npy"), "--fp8", mode, "--dtype", dtype)
-        assert proc.returncode == 0, proc.stderr
+        rc, err = run_cli_here(capsys, "score", "--model", str(odd_model / "bf16"), "--tokens", str(tmp_path / "in.npy"),
+                               "--out", str(tmp_path / f"{mode}{dtype}.npy"), "--fp8", mode, "--dtype", dtype)
+        assert rc == 0, err
         outs[mode, dtype] = np.load(tmp_path / f"{mode}{dtype}.npy")
     fp32, bf16, w8a8 = outs["none", "float32"], outs["none", "bfloat16"], outs["w8a8", "bfloat16"]
     err, err_bf16 = rel_err(w8a8, bf16), rel_err(bf16, fp32)
     top1 = float((w8a8.argmax(-1) == bf16.argmax(-1)).mean())
-    print(f"w8a8 vs bf16 logits: relative error {err:.4f}, top-1 agreement {top1:.2f}; bf16 vs fp32 {err_bf16:.4f}")
+    with capsys.disabled():
+        print(f"w8a8 vs bf16 logits: relative error {err:.4f}, top-1 agreement {top1:.2f}; bf16 vs fp32 {err_bf16:.4f}")
     assert err_bf16 < err < 16 * err_bf16
     assert top1 > 0.5
     # FP8 KV cache (E4M3 pages, per-layer scales calibrated on the scored tokens); same 16x
     # mantissa argument, doubled for per-tensor scales (tests/test_kv_cache.py); "all" adds both
     err_kv, err_all = rel_err(outs["kv", "bfloat16"], bf16), rel_err(outs["all", "bfloat16"], bf16)
-    print(f"kv vs bf16 {err_kv:.4f}; all vs bf16 {err_all:.4f}")
+    with capsys.disabled():
+        print(f"kv vs bf16 {err_kv:.4f}; all vs bf16 {err_all:.4f}")
     assert err_bf16 < err_kv < 32 * err_bf16
     assert err_bf16 < err_all < err + err_kv + err_bf16
 
 
-def test_fp8_checkpoint_errors(odd_model, tmp_path):
+def test_fp8_checkpoint_errors(odd_model, tmp_path, capsys):
     dst = tmp_path / "fp8"
-    assert run_cli("quantize", "--model", str(odd_model / "bf16"), "--out", str(dst)).returncode == 0
-    again = run_cli("quantize", "--model", str(dst), "--out", str(tmp_path / "x"))
-    assert again.returncode == 2 and "already quantized" in again.stderr and not (tmp_path / "x").exists()
-    busy = run_cli("quantize", "--model", str(odd_model / "bf16"), "--out", str(dst))
-    assert busy.returncode == 2 and "not an empty folder" in busy.stderr
+    assert run_cli_here(capsys, "quantize", "--model", str(odd_model / "bf16"), "--out", str(dst))[0] == 0
+    rc, err = run_cli_here(capsys, "quantize", "--model", str(dst), "--out", str(tmp_path / "x"))
+    assert rc == 2 and "already quantized" in err and not (tmp_path / "x").exists()
+    rc, err = run_cli_here(capsys, "quantize", "--model", str(odd_model / "bf16"), "--out", str(dst))
+    assert rc == 2 and "not an empty folder" in err
     # a scale missing for one expert: named, nothing loaded
     index_file = dst / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
@@ -204,8 +206,8 @@ def test_fp8_checkpoint_errors(odd_model, tmp_path):
     w = params["layers"][1]["mlp"]["up_proj"]["weight"]
     w.set_value(w.get_value().at[3, 4].set(jnp.nan))
     save_checkpoint(bad, params, ODD)
-    proc = run_cli("quantize", "--model", str(bad), "--out", str(tmp_path / "bad_fp8"))
-    assert proc.returncode == 2 and "model.layers.1.mlp.up_proj.weight' has 1 NaN/Inf" in proc.stderr
+    rc, err = run_cli_here(capsys, "quantize", "--model", str(bad), "--out", str(tmp_path / "bad_fp8"))
+    assert rc == 2 and "model.layers.1.mlp.up_proj.weight' has 1 NaN/Inf" in err
     assert not (tmp_path / "bad_fp8").exists() and not list(Path(tmp_path).glob(".bad_fp8*"))
 
 

@@ -27,7 +27,7 @@ def test_logits_match_hf_float32(hf_models, name):
     assert float(np.max(np.abs(np.asarray(logits) - ref)) / np.max(np.abs(ref))) < 1e-4
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", ["dense_tied_mqa_sharded", "moe_sharded"])
 def test_score_cli_matches_hf(hf_models, name, tmp_path):
     folder, tokens, ref = hf_models[name]
     np.save(tmp_path / "in.npy", tokens)
@@ -39,7 +39,7 @@ def test_score_cli_matches_hf(hf_models, name, tmp_path):
     assert rel_err(out, ref) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["dense", "moe_sharded"])
+@pytest.mark.parametrize("name", ["dense", "moe_bf16_step2"])
 def test_score_cli_bfloat16_close_to_hf(hf_models, name, tmp_path):
     """bf16 weights and compute: about 3 significant digits, so a loose but meaningful bound."""
     folder, tokens, ref = hf_models[name]
