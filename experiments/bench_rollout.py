@@ -1,0 +1,162 @@
+"""Rollout throughput of the JAX engine per precision mode (rollout-engine issue).
+
+Random weights of the chosen shape are built on the device (no download). For each precision
+mode (none, w8a8, kv, all) the engine generates a workload and we record output tokens/s,
+sequences resident (what the KV budget holds), preemptions, the weight-sync time
+(``update_weights``: re-quantization and swap) and the decode-step time against the HBM
+roofline (weight bytes + KV bytes read per step over 4.3 TB/s).
+
+Workloads (the ones vLLM was measured on, ../shared/vllm-h200/README.md):
+  W1: 256 prompts of 1024 random ids -> 2048 new tokens each (temperature 1.0, EOS ignored);
+  W2: 128 x 1024 -> 6144;
+  RL: 256 x 512 -> lengths spread uniformly up to 8192 (max_tokens per request).
+
+    python experiments/bench_rollout.py --preset qwen3_8b --workload W1 --modes none all
+    python experiments/bench_rollout.py --preset tiny_qwen3 --workload tiny   # CPU smoke run
+
+Caveat until the Pallas paged-attention kernel lands: the engine's attention is the pure-jnp
+reference, which gathers every slot's whole page table each decode step, so a full-size run
+measures that reference, not the engine's intended attention path. No H200 numbers exist yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from configs.models import PRESETS  # noqa: E402
+from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params  # noqa: E402
+from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
+from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
+
+HBM_BPS = 4.3e12
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompts: int
+    prompt_len: int
+    max_new: int
+    spread: bool = False  # RL-shaped: max_tokens uniform in [max_new / 16, max_new]
+
+
+WORKLOADS = {
+    "W1": Workload(256, 1024, 2048),
+    "W2": Workload(128, 1024, 6144),
+    "RL": Workload(256, 512, 8192, spread=True),
+    "tiny": Workload(6, 12, 16, spread=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    model: ModelConfig = PRESETS["qwen3_8b"]
+    workload: Workload = WORKLOADS["W1"]
+    modes: tuple[Fp8Mode, ...] = (Fp8Mode.NONE, Fp8Mode.W8A8, Fp8Mode.KV, Fp8Mode.ALL)
+    engine: EngineConfig = EngineConfig(max_slots=256, page_size=16, kv_budget_gib=60.0, max_seq_len=8192 + 1024,
+                                        steps_per_call=16, prefill_batch=8, dtype="bfloat16")
+    out: Path | None = None
+    seed: int = 0
+
+
+def _requests(w: Workload, vocab: int, seed: int):
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(2, vocab, (w.prompts, w.prompt_len)).tolist()
+    lengths = (rng.integers(max(1, w.max_new // 16), w.max_new + 1, w.prompts) if w.spread
+               else np.full(w.prompts, w.max_new))
+    sampling = [SamplingConfig(temperature=1.0, max_tokens=int(n), ignore_eos=True, seed=seed + i)
+                for i, n in enumerate(lengths)]
+    return prompts, sampling
+
+
+def _param_bytes(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def run_mode(cfg: BenchConfig, params, mode: Fp8Mode) -> dict:
+    engine = JaxEngine(cfg.model, params, dataclasses.replace(cfg.engine, precision=mode))
+    prompts, sampling = _requests(cfg.workload, cfg.model.vocab_size, cfg.seed)
+    engine.generate(prompts[: min(4, len(prompts))], [dataclasses.replace(s, max_tokens=4) for s in sampling[:4]])
+    t0 = time.perf_counter()
+    engine.update_weights(params)
+    jax.block_until_ready(engine.params)
+    sync_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    batch = engine.generate(prompts, sampling)
+    wall = time.perf_counter() - t0
+    generated = int(batch.lengths.sum())
+    m = cfg.model
+    kv_token_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * engine.cache.k_pages[0].dtype.itemsize
+    mean_ctx = cfg.workload.prompt_len + float(batch.lengths.mean()) / 2
+    slots = min(cfg.engine.max_slots, engine.num_pages * cfg.engine.page_size // int(mean_ctx + 1))
+    step_bytes = _param_bytes(engine.params) + slots * mean_ctx * kv_token_bytes
+    return {
+        "mode": mode.value,
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+        "weight_sync_ms": sync_ms,
+        "kv_pages": engine.num_pages,
+        "full_length_sequences_that_fit": engine.sequences_that_fit,
+        "preemptions": batch.preemptions,
+        "roofline_step_ms_at_mean_context": step_bytes / HBM_BPS * 1e3,
+        "roofline_tokens_per_s": slots / (step_bytes / HBM_BPS),
+    }
+
+
+def main(cfg: BenchConfig) -> dict:
+    import flax
+    import jaxlib
+
+    params = jax.jit(lambda k: init_params(cfg.model, k, jnp.bfloat16))(jax.random.key(cfg.seed))
+    results = {
+        "environment": {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
+                        "jaxlib": jaxlib.__version__, "flax": flax.__version__, "python": platform.python_version(),
+                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+        "model": dataclasses.asdict(cfg.model),
+        "workload": dataclasses.asdict(cfg.workload),
+        "engine": {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(cfg.engine).items()},
+        "runs": [],
+    }
+    for mode in cfg.modes:
+        row = run_mode(cfg, params, mode)
+        results["runs"].append(row)
+        print(json.dumps(row), flush=True)
+        if cfg.out is not None:
+            cfg.out.parent.mkdir(parents=True, exist_ok=True)
+            cfg.out.write_text(json.dumps(results, indent=1) + "\n")
+    base = next((r["tokens_per_s"] for r in results["runs"] if r["mode"] == "none"), None)
+    print(f"\n| mode | tokens/s | vs none | preemptions | weight sync ms |\n|---|---|---|---|---|")
+    for r in results["runs"]:
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"
+        print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} |")
+    return results
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen3_8b")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
+    ap.add_argument("--modes", nargs="*", choices=[m.value for m in Fp8Mode], default=[m.value for m in Fp8Mode])
+    ap.add_argument("--kv-gib", type=float, default=BenchConfig.engine.kv_budget_gib)
+    ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    small = a.workload == "tiny"
+    engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, max_slots=a.max_slots,
+                                 **({"max_seq_len": 64, "steps_per_call": 4, "dtype": "float32"} if small else {}))
+    main(BenchConfig(model=PRESETS[a.preset], workload=WORKLOADS[a.workload],
+                     modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine, out=a.out))

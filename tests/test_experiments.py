@@ -1,0 +1,45 @@
+"""Smoke tests: every experiment's main() runs end to end on a tiny config on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+from configs.models import tiny_qwen3, tiny_qwen3_moe
+from fp8rl_jax.models import Fp8Mode
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_score_demo(tmp_path):
+    demo = _load("score_demo")
+    summary = demo.main(demo.DemoConfig(model=tiny_qwen3, out=tmp_path))
+    assert summary["cli_vs_inprocess_rel_err"] < 1e-5 and summary["logits_shape"][0] == 3
+
+
+def test_bench_rollout_tiny(tmp_path):
+    bench = _load("bench_rollout")
+    engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, kv_budget_gib=0.001, max_seq_len=64,
+                                 steps_per_call=4, dtype="float32")
+    out = tmp_path / "rollout.json"
+    res = bench.main(bench.BenchConfig(model=tiny_qwen3_moe, workload=bench.WORKLOADS["tiny"],
+                                       modes=(Fp8Mode.NONE, Fp8Mode.ALL), engine=engine, out=out))
+    assert out.exists() and [r["mode"] for r in res["runs"]] == ["none", "all"]
+    for r in res["runs"]:
+        assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0 and r["weight_sync_ms"] >= 0
+
+
+def test_bench_gemm_says_it_needs_a_gpu(capsys):
+    bench = _load("bench_gemm")
+    assert bench.main([]) == 0
+    assert "needs a GPU" in capsys.readouterr().out
