@@ -139,7 +139,7 @@ def main(cfg: BenchConfig) -> dict:
             cfg.out.parent.mkdir(parents=True, exist_ok=True)
             cfg.out.write_text(json.dumps(results, indent=1) + "\n")
     base = next((r["tokens_per_s"] for r in results["runs"] if r["mode"] == "none"), None)
-    print(f"\n| mode | tokens/s | vs none | preemptions | weight sync ms |\n|---|---|---|---|---|")
+    print("\n| mode | tokens/s | vs none | preemptions | weight sync ms |\n|---|---|---|---|---|")
     for r in results["runs"]:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"
         print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} |")
