@@ -145,6 +145,16 @@ def _check_bt(name: str, x, shape) -> None:
         raise ValueError(f"{name} must have shape [B, T] = {tuple(shape)} like mask, got {jnp.shape(x)}")
 
 
+def _token_inputs(mask, **inputs) -> tuple[Array, ...]:
+    """The boolean ``[B, T]`` mask, then each input checked against its shape with padding zeroed."""
+    m = _mask(mask)
+    if m.ndim != 2:
+        raise ValueError(f"mask must have shape [B, T], got {m.shape}")
+    for name, x in inputs.items():
+        _check_bt(name, x, m.shape)
+    return (m, *(_clean(x, m) for x in inputs.values()))
+
+
 def _check_enum(name: str, value, cls: type[enum.Enum]) -> None:
     if not isinstance(value, cls):
         raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__} {value!r}"
@@ -243,12 +253,7 @@ def gae_advantages(rewards, values, mask, *, gamma: float = 1.0, lam: float = 1.
     output in multi-turn rollouts, which are skipped) never leaks. Outputs are 0 at padding.
     With ``gamma = lam = 1``: ``A_t = sum_{s >= t} r_s - V_t``.
     """
-    m = _mask(mask)
-    if m.ndim != 2:
-        raise ValueError(f"mask must have shape [B, T], got {m.shape}")
-    _check_bt("rewards", rewards, m.shape)
-    _check_bt("values", values, m.shape)
-    r, v = _clean(rewards, m), _clean(values, m)
+    m, r, v = _token_inputs(mask, rewards=rewards, values=values)
     dtype = jnp.promote_types(r.dtype, v.dtype)
     r, v = r.astype(dtype), v.astype(dtype)
     gamma, lam = jnp.asarray(gamma, dtype), jnp.asarray(lam, dtype)
@@ -340,16 +345,10 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, clip
     ``ratio_mean``, ``ratio_max``.
     """
     _check_enum("agg", agg, LossAgg)
-    m = _mask(mask)
-    if m.ndim != 2:
-        raise ValueError(f"mask must have shape [B, T], got {m.shape}")
-    for name, x in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages)):
-        _check_bt(name, x, m.shape)
     if isinstance(dual_clip, (int, float)) and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (it bounds the loss at c * |A|), got {dual_clip}")
-    logp = _clean(logp, m)
-    old = jax.lax.stop_gradient(_clean(old_logp, m))
-    adv = jax.lax.stop_gradient(_clean(advantages, m))
+    m, logp, old, adv = _token_inputs(mask, logp=logp, old_logp=old_logp, advantages=advantages)
+    old, adv = jax.lax.stop_gradient(old), jax.lax.stop_gradient(adv)
     log_ratio = jnp.clip(logp - old, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = jnp.exp(log_ratio)
     loss_unclipped = -adv * ratio
@@ -451,12 +450,7 @@ def rollout_correction_weights(old_logp_trainer, rollout_logp, mask,
         _check_enum("correction", c, Correction)
     if kl_estimator not in (KLEstimator.K2, KLEstimator.K3):
         raise ValueError(f"kl_estimator must be KLEstimator.K2 or K3 (non-negative), got {kl_estimator!r}")
-    m = _mask(mask)
-    if m.ndim != 2:
-        raise ValueError(f"mask must have shape [B, T], got {m.shape}")
-    _check_bt("old_logp_trainer", old_logp_trainer, m.shape)
-    _check_bt("rollout_logp", rollout_logp, m.shape)
-    old, roll = _clean(old_logp_trainer, m), _clean(rollout_logp, m)
+    m, old, roll = _token_inputs(mask, old_logp_trainer=old_logp_trainer, rollout_logp=rollout_logp)
     s = jax.lax.stop_gradient(old - roll)
     dtype = s.dtype
     n_b = jnp.sum(m, axis=1).astype(dtype)
@@ -516,12 +510,7 @@ def mismatch_metrics(trainer_logp, rollout_logp, mask) -> Metrics:
     * ``ppl_trainer = exp(-E[trainer_logp])``, ``ppl_rollout = exp(-E[rollout_logp])``,
       ``ppl_gap = ppl_trainer - ppl_rollout``, ``ppl_ratio = ppl_trainer / ppl_rollout``
     """
-    m = _mask(mask)
-    if m.ndim != 2:
-        raise ValueError(f"mask must have shape [B, T], got {m.shape}")
-    _check_bt("trainer_logp", trainer_logp, m.shape)
-    _check_bt("rollout_logp", rollout_logp, m.shape)
-    lt, lr = _clean(trainer_logp, m), _clean(rollout_logp, m)
+    m, lt, lr = _token_inputs(mask, trainer_logp=trainer_logp, rollout_logp=rollout_logp)
     lt, lr = jax.lax.stop_gradient(lt), jax.lax.stop_gradient(lr)
     d = lt - lr
     mean_d = masked_mean(d, m)
