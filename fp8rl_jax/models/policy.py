@@ -5,10 +5,12 @@ the MoE router and the lm_head) calls ``policy.dot`` or ``policy.ragged_dot`` wi
 (layer index and projection). The trainer and the generator build the same model definition
 with different policies, so precision is the only thing that can differ between them.
 
-``DensePolicy`` is plain BF16/FP32 compute with float32 accumulation. The FP8 policies (W8A8
-rollout with block-scaled weights, FP8 training through ``jax.custom_vjp``) subclass
-``MatmulPolicy`` and decide per ``Site`` what to do: the layer policy (which projections are
-quantized, first/last N layers kept in BF16) is a function of the site alone.
+``DensePolicy`` is plain BF16/FP32 compute with float32 accumulation (HIGHEST precision for
+float32, so Hopper does not fall back to TF32). ``fp8rl_jax.quant.policy.W8A8Policy`` decides by
+the weight it receives: a ``QuantizedWeight`` takes the FP8 path, a dense array the dense one; the
+layer policy (which projections are FP8, first/last N layers in BF16) is applied once, when
+``quantize_params`` replaces the selected weights. FP8 training will subclass ``MatmulPolicy``
+the same way and may use the ``Site`` to choose per layer.
 
 Weight layout everywhere is the Hugging Face one, ``[out, in]`` (``[N, K]`` in GEMM terms);
 stacked experts are ``[E, out, in]``. The activation is ``[..., in]``.
