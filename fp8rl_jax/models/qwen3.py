@@ -176,6 +176,18 @@ class Embed(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0).astype(dtype)
 
 
+def _remat_layer(layer: DecoderLayer, x, cos, sin, mask) -> jax.Array:
+    """``layer`` on the full sequence under ``jax.checkpoint``: its activations are recomputed
+    in the backward pass instead of being stored (the layer's weights enter as explicit inputs)."""
+    gdef, state = nnx.split(layer)
+
+    @jax.checkpoint
+    def run(state, x, cos, sin, mask):
+        return nnx.merge(gdef, state)(x, cos, sin, mask, None, None)[0]
+
+    return run(state, x, cos, sin, mask)
+
+
 class Qwen3(nnx.Module):
     """Qwen3 / Qwen3-MoE causal LM. ``policy`` decides the precision of every matmul."""
 
@@ -204,6 +216,8 @@ class Qwen3(nnx.Module):
         attention_mask: jax.Array | None = None,
         cache: KVCache | PagedKVCache | None = None,
         num_new: jax.Array | None = None,
+        *,
+        remat: bool = False,
     ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
         """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache.
 
@@ -211,8 +225,12 @@ class Qwen3(nnx.Module):
         [B, T] (1 = real) hides padded keys; ``positions`` default to 0..T-1.
         Cached: the T tokens continue each row at ``cache.lengths``; ``positions`` default to
         ``lengths + 0..T-1``; ``num_new`` [B] (default T) real tokens per row advance the cache.
+        ``remat`` (full sequence only) rematerializes each decoder layer in the backward pass
+        (``jax.checkpoint`` per layer: only the layer inputs are kept for the gradient).
         """
         cfg = self.config
+        if remat and cache is not None:
+            raise ValueError("remat is for full-sequence (training) calls; a cached call has no backward pass")
         chex.assert_rank(tokens, 2)
         chex.assert_type(tokens, int)
         B, T = tokens.shape
@@ -227,7 +245,10 @@ class Qwen3(nnx.Module):
         num_new = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.broadcast_to(num_new, (B,))
         x = self.embed_tokens(tokens, self.policy.compute_dtype)
         for layer in self.layers:
-            x, cache = layer(x, cos, sin, mask, cache, num_new)
+            if remat:
+                x = _remat_layer(layer, x, cos, sin, mask)
+            else:
+                x, cache = layer(x, cos, sin, mask, cache, num_new)
         if cache is not None:
             cache = cache.advance(num_new)
         return self.norm(x), cache
@@ -239,8 +260,8 @@ class Qwen3(nnx.Module):
             return self.policy.dot(h, w, Site(None, Proj.LM_HEAD)).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    def __call__(self, tokens, positions=None, attention_mask=None, cache=None, num_new=None):
-        h, cache = self.hidden_states(tokens, positions, attention_mask, cache, num_new)
+    def __call__(self, tokens, positions=None, attention_mask=None, cache=None, num_new=None, *, remat=False):
+        h, cache = self.hidden_states(tokens, positions, attention_mask, cache, num_new, remat=remat)
         return self.logits(h), cache
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
@@ -293,9 +314,11 @@ def forward(
     attention_mask: jax.Array | None = None,
     cache: KVCache | PagedKVCache | None = None,
     num_new: jax.Array | None = None,
+    remat: bool = False,
 ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
-    """Pure forward: float32 logits [B, T, V] and the updated cache (None without one)."""
-    return bind(params, config, policy)(tokens, positions, attention_mask, cache, num_new)
+    """Pure forward: float32 logits [B, T, V] and the updated cache (None without one).
+    ``remat``: recompute each layer's activations in the backward pass (training memory)."""
+    return bind(params, config, policy)(tokens, positions, attention_mask, cache, num_new, remat=remat)
 
 
 def count_params(params: nnx.State) -> int:
