@@ -22,11 +22,19 @@ accumulation, so FP8 costs storage precision only: there is no low-precision acc
 error would grow with context length. The scales are part of the cache pytree, so a
 recalibration (after every weight update) replaces them like any other state.
 
-The read path here is the pure-jnp reference (gather the row's pages, then ``dot_attention``);
-the Pallas paged-attention kernel of the rollout engine is tested against it.
+Read path (``PagedKVCache.kernels``, a static field, ``Kernels.AUTO`` by default): a decode step
+(T == 1) runs the Pallas paged-attention kernel (``pallas_kernels.paged_attention``) on a GPU
+backend: it reads only the pages below each row's length, applies the FP8 scales in-kernel and
+keeps logits, softmax and PV in float32 (power-of-two page sizes and head dims >= 16; other
+shapes keep the reference under AUTO). Elsewhere, and for T > 1 (prefill, recompute), the pure-jnp reference
+gathers the row's pages and runs ``dot_attention``: CPU results are exactly the reference's.
+``Kernels.PALLAS`` forces the kernel for decode (interpret mode off the GPU: tests);
+``Kernels.REFERENCE`` never uses it.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +42,10 @@ from flax import struct
 
 from fp8rl_jax.models.attention import dot_attention
 from fp8rl_jax.quant.fp8 import saturating_cast
+from pallas_kernels import paged_attention as paged_kernel
+
+if TYPE_CHECKING:
+    from fp8rl_jax.quant.policy import Kernels
 
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -102,6 +114,9 @@ class PagedKVCache:
       page_table: [B, max_pages] int32, row b's i-th page (only entries below
         ceil(lengths / page_size) after the write are read; the engine allocates them).
       lengths: [B] int32, tokens already in the cache per row.
+      kernels: static `Kernels`, which implementation reads the cache in a decode step (module
+        note); None means ``Kernels.AUTO`` (``fp8rl_jax.quant.policy`` imports the models, so the
+        enum is resolved when used, not imported here).
     """
 
     k_pages: tuple[jax.Array, ...]
@@ -110,10 +125,11 @@ class PagedKVCache:
     v_scale: jax.Array
     page_table: jax.Array
     lengths: jax.Array
+    kernels: Kernels | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def init(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-             batch: int, max_pages: int, dtype) -> "PagedKVCache":
+             batch: int, max_pages: int, dtype, kernels: Kernels | None = None) -> "PagedKVCache":
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         return cls(
             k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -122,6 +138,7 @@ class PagedKVCache:
             v_scale=jnp.ones((num_layers,), jnp.float32),
             page_table=jnp.zeros((batch, max_pages), jnp.int32),
             lengths=jnp.zeros((batch,), jnp.int32),
+            kernels=kernels,
         )
 
     @property
@@ -146,6 +163,17 @@ class PagedKVCache:
             return (pages.astype(jnp.float32) * scale).astype(dtype)
         return pages.astype(dtype)
 
+    def _decode_kernel(self, T: int, head_dim: int) -> bool:
+        """Whether this attend runs the Pallas decode kernel (static)."""
+        from fp8rl_jax.quant.policy import Kernels
+
+        kernels = Kernels.AUTO if self.kernels is None else self.kernels
+        if not isinstance(kernels, Kernels):
+            raise ValueError(f"PagedKVCache.kernels must be a Kernels or None, got {kernels!r}")
+        if T != 1 or not kernels.pallas():
+            return False
+        return kernels is Kernels.PALLAS or paged_kernel.supports(self.page_size, head_dim)
+
     def attend(self, layer: int, q, k, v, num_new) -> tuple[jax.Array, "PagedKVCache"]:
         B, T = q.shape[:2]
         ps, max_pages = self.page_size, self.page_table.shape[1]
@@ -160,11 +188,18 @@ class PagedKVCache:
         kp = kp.at[page, slot].set(self._store(k, self.k_scale[layer], kp.dtype), mode="drop")
         vp = vp.at[page, slot].set(self._store(v, self.v_scale[layer], vp.dtype), mode="drop")
         K, H = kp.shape[2:]
+        new = self.replace(k_pages=_replace_at(self.k_pages, layer, kp), v_pages=_replace_at(self.v_pages, layer, vp))
+        if self._decode_kernel(T, H):
+            # keys j <= lengths[b] (the new one included), as the reference's mask; scales only
+            # apply to an FP8 pool (``_load``)
+            one = jnp.float32(1.0)
+            ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.is_fp8 else (one, one)
+            out = paged_kernel.paged_attention(q[:, 0], kp, vp, ks, vs, self.page_table, self.lengths + 1)
+            return out[:, None], new
         kg = self._load(kp[self.page_table], self.k_scale[layer], q.dtype).reshape(B, max_pages * ps, K, H)
         vg = self._load(vp[self.page_table], self.v_scale[layer], q.dtype).reshape(B, max_pages * ps, K, H)
         out = dot_attention(q, kg, vg, _decode_mask(self.lengths, T, max_pages * ps))
-        return out, self.replace(k_pages=_replace_at(self.k_pages, layer, kp),
-                                 v_pages=_replace_at(self.v_pages, layer, vp))
+        return out, new
 
     def advance(self, num_new: jax.Array) -> "PagedKVCache":
         return self.replace(lengths=self.lengths + jnp.asarray(num_new, jnp.int32))

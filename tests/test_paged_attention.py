@@ -1,0 +1,336 @@
+"""Paged-attention decode kernel: interpret mode on the CPU and natively on the GPU (twin classes).
+
+Every case builds a page pool on fresh random inputs with the rows' pages shuffled through it,
+poisons every slot that is not a valid key (unused pages, the tail of each last page) with NaN,
+fills the unused page-table entries with garbage ids (out of range, negative, other rows'
+pages), and checks the kernel against the pure-jnp twin (same math) and against float64 NumPy
+attention over exactly the keys below each row's length (FP8 pools: the stored E4M3 values times
+their scale, so the tolerance measures the kernel's compute error, not quantization).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8rl_jax.models import PagedKVCache
+from fp8rl_jax.models.attention import dot_attention
+from fp8rl_jax.quant.fp8 import saturating_cast
+from fp8rl_jax.quant.policy import Kernels
+from pallas_kernels import paged_attention as pa
+
+FP8 = jnp.float8_e4m3fn
+BF16 = jnp.bfloat16
+F32 = jnp.float32
+
+# max |out - want| / max |want|, keyed by the query (= compute) dtype
+# (measured in interpret mode: f32 <= 3e-7, bf16 <= 2e-3; the GPU's exp and dot orders differ)
+TOL_F64 = {F32: 1e-5, BF16: 8e-3}  # vs float64 on the same stored values
+TOL_REF = {F32: 1e-5, BF16: 8e-3}  # vs the jnp twin (rounding order only)
+
+
+def _max_rel(x, want) -> float:
+    x, want = np.asarray(x, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(x - want)) / np.max(np.abs(want)))
+
+
+def make_case(seed, lengths, *, N, K, H, ps, max_pages, pool, q_dtype, spare=3, poison=True):
+    """Returns (args for the kernel, q64 [B, N, H] float64, row_kv: b -> float64 keys, values
+    [len_b, K, H] of row b)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, np.int32)
+    B = len(lengths)
+    need = -(-lengths // ps)
+    assert need.max() <= max_pages
+    P = int(need.sum()) + spare
+    perm = rng.permutation(P)
+    # garbage in the unused entries: out of range both ways, huge, and real pages of other rows
+    table = rng.choice(np.array([-7, -1, P, P + 5, 2**30, *perm[:4]]), (B, max_pages)).astype(np.int32)
+    off = 0
+    for b in range(B):
+        table[b, : need[b]] = perm[off : off + need[b]]
+        off += need[b]
+    k32 = rng.standard_normal((P, ps, K, H)).astype(np.float32) * 1.5
+    v32 = rng.standard_normal((P, ps, K, H)).astype(np.float32)
+    if jnp.dtype(pool) == jnp.dtype(FP8):
+        ks, vs = np.abs(k32).max() / 448, np.abs(v32).max() / 448
+        kp = saturating_cast(jnp.asarray(k32 / ks))
+        vp = saturating_cast(jnp.asarray(v32 / vs))
+    else:
+        ks = vs = 1.0
+        kp, vp = jnp.asarray(k32, pool), jnp.asarray(v32, pool)
+    k_f32, v_f32 = np.asarray(kp.astype(F32)), np.asarray(vp.astype(F32))  # the stored values
+    valid = np.zeros((P, ps), bool)
+    slots = []
+    for b in range(B):
+        j = np.arange(lengths[b])
+        slots.append((table[b, j // ps], j % ps))
+        valid[slots[b]] = True
+
+    def row_kv(b):  # float64 keys and values below row b's length, dequantized
+        return (k_f32[slots[b]].astype(np.float64) * np.float64(np.float32(ks)),
+                v_f32[slots[b]].astype(np.float64) * np.float64(np.float32(vs)))
+
+    q = jnp.asarray(rng.standard_normal((B, N, H)).astype(np.float32), q_dtype)
+    args = (q, kp, vp, jnp.float32(ks), jnp.float32(vs), jnp.asarray(table), jnp.asarray(lengths))
+    return args, np.asarray(q.astype(F32), np.float64), row_kv
+
+
+def attention_f64(q64, row_kv, K, rows=None):
+    """Float64 softmax attention of rows ``rows`` (default all) -> [len(rows), N, H]."""
+    rows = range(q64.shape[0]) if rows is None else rows
+    N, H = q64.shape[1:]
+    out = []
+    for b in rows:
+        keys, vals = row_kv(b)
+        s = np.einsum("kgh,skh->kgs", q64[b].reshape(K, N // K, H), keys) / np.sqrt(H)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out.append(np.einsum("kgs,skh->kgh", p, vals).reshape(N, H))
+    return np.stack(out)
+
+
+CASES = {
+    # name: (make_case kwargs, lengths, config); lengths cover 1, partial last pages, many pages
+    "f32-split4-ragged": (
+        {"N": 4, "K": 2, "H": 16, "ps": 4, "max_pages": 12, "pool": F32, "q_dtype": F32}, [1, 5, 13, 37],
+        pa.PagedAttentionConfig(pages_per_block=2, pages_per_split=3, max_splits=4)),
+    "bf16-nosplit": (
+        {"N": 4, "K": 2, "H": 16, "ps": 4, "max_pages": 12, "pool": BF16, "q_dtype": BF16}, [37, 1, 4, 17],
+        pa.PagedAttentionConfig(pages_per_block=4, pages_per_split=64)),
+    "fp8-bf16q-G3-split": (
+        {"N": 6, "K": 2, "H": 32, "ps": 8, "max_pages": 10, "pool": FP8, "q_dtype": BF16}, [9, 64, 1],
+        pa.PagedAttentionConfig(pages_per_block=2, pages_per_split=2, max_splits=3)),
+    "fp8-f32q-mqa-G8": (
+        {"N": 8, "K": 1, "H": 16, "ps": 16, "max_pages": 8, "pool": FP8, "q_dtype": F32}, [17, 100],
+        pa.PagedAttentionConfig(pages_per_block=1, pages_per_split=4, max_splits=2)),
+    "bf16pool-f32q-page2": (
+        {"N": 2, "K": 1, "H": 16, "ps": 2, "max_pages": 20, "pool": BF16, "q_dtype": F32}, [39, 2, 3],
+        pa.PagedAttentionConfig(pages_per_block=8, pages_per_split=8)),
+}
+
+
+class TestPagedAttentionInterpret:
+    INTERPRET = True
+
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_vs_reference_and_float64(self, name):
+        kw, lengths, cfg = CASES[name]
+        args, q64, row_kv = make_case(len(name), lengths, **kw)
+        got = pa.paged_attention(*args, config=cfg, interpret=self.INTERPRET)
+        assert got.shape == args[0].shape and got.dtype == args[0].dtype
+        assert np.isfinite(np.asarray(got.astype(F32))).all(), "poisoned (unused) slots reached the output"
+        ref = pa.paged_attention_reference(*args)
+        want = attention_f64(q64, row_kv, kw["K"])
+        qd = kw["q_dtype"]
+        assert _max_rel(ref, want) < TOL_F64[qd]
+        assert _max_rel(got, want) < TOL_F64[qd], (_max_rel(got, want), name)
+        assert _max_rel(got, ref) < TOL_REF[qd], (_max_rel(got, ref), name)
+
+    def test_garbage_and_batch_invariance(self):
+        """Different garbage in unused entries and slots gives the same bits; a row computed in a
+        batch equals the row computed alone (its split depends on its length only)."""
+        kw, lengths, cfg = CASES["fp8-bf16q-G3-split"]
+        args, *_ = make_case(3, lengths, **kw)
+        got = np.asarray(pa.paged_attention(*args, config=cfg, interpret=self.INTERPRET).astype(F32))
+        q, kp, vp, ks, vs, table, lens = args
+        ps = kp.shape[1]
+        need = -(-np.asarray(lens) // ps)
+        used = np.zeros(kp.shape[:2], bool)
+        t = np.asarray(table).copy()
+        for b, n in enumerate(need):
+            used[t[b, :n]] = True
+            t[b, n:] = 10**6 - b  # other garbage ids
+        for b, L in enumerate(np.asarray(lens)):
+            if L % ps:
+                used[t[b, need[b] - 1], L % ps :] = False
+        fill = jnp.asarray(np.random.default_rng(0).standard_normal(kp.shape) * 100, F32).astype(kp.dtype)
+        mask = jnp.asarray(used)[:, :, None, None]
+        kp2, vp2 = jnp.where(mask, kp, fill), jnp.where(mask, vp, -fill)
+        got2 = pa.paged_attention(q, kp2, vp2, ks, vs, jnp.asarray(t), lens, config=cfg, interpret=self.INTERPRET)
+        np.testing.assert_array_equal(np.asarray(got2.astype(F32)), got)
+        b = 1  # the longest row (split 3 ways), alone in a batch of one
+        alone = pa.paged_attention(q[b : b + 1], kp, vp, ks, vs, table[b : b + 1], lens[b : b + 1], config=cfg,
+                                   interpret=self.INTERPRET)
+        np.testing.assert_array_equal(np.asarray(alone.astype(F32))[0], got[b])
+
+    def test_long_context_fp8_error_flat(self):
+        """FP8 KV against float32 KV at 1k and 8k keys: the error does not grow with context.
+
+        One query per kv head, keys of norm ~1 plus a needle key aligned with the query (it sets
+        the FP8 scale, so the haystack keeps fewer bits). Logits, softmax and PV accumulate in
+        float32, so the only FP8 error is storage rounding (<= 2^-4 relative per element), not
+        an accumulation growing with the number of keys. Small heads keep interpret mode fast;
+        the GPU twin runs the same check, and `TestFullSizeGpu` at Qwen3-8B head sizes.
+        """
+        errs = [_needle_fp8_error(ctx, seed=5, N=2, K=1, H=16, interpret=self.INTERPRET) for ctx in (1024, 8192)]
+        print(f"FP8 vs f32 KV, kernel output error: {errs[0]:.2e} at 1k, {errs[1]:.2e} at 8k")
+        assert errs[0] < 2**-4 and errs[1] < 2**-4
+        assert errs[1] < 1.5 * errs[0]
+
+    def test_cache_decode_uses_kernel(self):
+        """PagedKVCache.attend with Kernels.PALLAS (decode) == the reference path, f32 and FP8 pools
+        (scaled); AUTO (the default) takes the kernel exactly on a GPU backend, for decode only."""
+        rng = np.random.default_rng(9)
+        B, K, G, H, ps, max_pages = 3, 2, 2, 16, 4, 6
+        auto = PagedKVCache.init(1, 4, ps, K, H, B, max_pages, F32)
+        assert auto.kernels is None and not auto._decode_kernel(2, H) and not auto._decode_kernel(1, 8)
+        assert auto._decode_kernel(1, H) == (jax.default_backend() == "gpu")
+        assert not auto.replace(kernels=Kernels.REFERENCE)._decode_kernel(1, H)
+        for dtype in (F32, FP8):
+            cache = PagedKVCache.init(1, B * max_pages + 2, ps, K, H, B, max_pages, dtype)
+            table = rng.permutation(B * max_pages + 2)[: B * max_pages].reshape(B, max_pages)
+            cache = cache.replace(page_table=jnp.asarray(table, jnp.int32),
+                                  k_scale=jnp.array([0.02], F32), v_scale=jnp.array([0.01], F32))
+            T0 = 17
+            kv = lambda T: jnp.asarray(rng.standard_normal((B, T, K, H)), F32)
+            _, cache = cache.attend(0, jnp.zeros((B, T0, K * G, H), F32), kv(T0), kv(T0), jnp.array([3, 17, 9]))
+            cache = cache.advance(jnp.array([3, 17, 9]))
+            q, k1, v1 = jnp.asarray(rng.standard_normal((B, 1, K * G, H)), F32), kv(1), kv(1)
+            outs = {}
+            for kern in (Kernels.PALLAS, Kernels.REFERENCE):
+                fn = jax.jit(lambda c, q, k, v: c.attend(0, q, k, v, jnp.array([1, 1, 0])))
+                out, new = fn(cache.replace(kernels=kern), q, k1, v1)
+                outs[kern] = np.asarray(out)
+                np.testing.assert_array_equal(np.asarray(new.k_pages[0].astype(F32)),
+                                              np.asarray(outs.setdefault("pages", new.k_pages[0]).astype(F32)))
+            tol = 2e-5 if dtype == F32 else 2e-3  # FP8: the reference rounds k8 * scale to f32 first
+            assert _max_rel(outs[Kernels.PALLAS], outs[Kernels.REFERENCE]) < tol
+
+
+def _needle_fp8_error(context, *, seed, N, K, H, interpret, ps=16, bp=16):
+    rng = np.random.default_rng(seed)
+    G = N // K
+    q = rng.standard_normal((1, N, H)).astype(np.float32)
+    keys = rng.standard_normal((context, K, H)).astype(np.float32) / np.sqrt(H)
+    vals = rng.standard_normal((context, K, H)).astype(np.float32)
+    direction = q[0].reshape(K, G, H).mean(1)
+    keys[context // 3] = 30 * direction / np.linalg.norm(direction, axis=-1, keepdims=True)
+    n = context // ps
+    perm = rng.permutation(n)
+    kpool = np.zeros((n, ps, K, H), np.float32)
+    vpool = np.zeros((n, ps, K, H), np.float32)
+    kpool[perm] = keys.reshape(n, ps, K, H)
+    vpool[perm] = vals.reshape(n, ps, K, H)
+    table, lens = jnp.asarray(perm[None], jnp.int32), jnp.array([context], jnp.int32)
+    cfg = pa.PagedAttentionConfig(pages_per_block=bp, pages_per_split=64)
+    one = jnp.float32(1.0)
+    ref = pa.paged_attention(jnp.asarray(q), jnp.asarray(kpool), jnp.asarray(vpool), one, one, table, lens,
+                             config=cfg, interpret=interpret)
+    ks, vs = np.float32(np.abs(keys).max() / 448), np.float32(np.abs(vals).max() / 448)
+    k8, v8 = saturating_cast(jnp.asarray(kpool / ks)), saturating_cast(jnp.asarray(vpool / vs))
+    fp8 = pa.paged_attention(jnp.asarray(q), k8, v8, jnp.float32(ks), jnp.float32(vs), table, lens, config=cfg,
+                             interpret=interpret)
+    ref, fp8 = np.asarray(ref, np.float64), np.asarray(fp8, np.float64)
+    return float(np.linalg.norm(fp8 - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.gpu
+class TestPagedAttentionGpu(TestPagedAttentionInterpret):
+    INTERPRET = False
+
+
+def test_reference_matches_dense_path():
+    """The twin equals the cache's old read path (gather every page, dot_attention) in float32."""
+    kw, lengths, _ = CASES["f32-split4-ragged"]
+    args, *_ = make_case(1, lengths, **kw, poison=False)
+    q, kp, vp, _, _, table, lens = args
+    B, _, H = q.shape
+    ps, K = kp.shape[1], kp.shape[2]
+    S = table.shape[1] * ps
+    kg = kp[jnp.clip(table, 0, kp.shape[0] - 1)].reshape(B, S, K, H)
+    vg = vp[jnp.clip(table, 0, kp.shape[0] - 1)].reshape(B, S, K, H)
+    mask = (jnp.arange(S)[None, :] < lens[:, None])[:, None]
+    dense = dot_attention(q[:, None], kg, vg, mask)[:, 0]
+    np.testing.assert_allclose(np.asarray(pa.paged_attention_reference(*args)), np.asarray(dense), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_validation_errors():
+    kw, lengths, _ = CASES["bf16-nosplit"]
+    args, *_ = make_case(0, lengths, **kw)
+    q, kp, vp, ks, vs, table, lens = args
+    bad = {
+        "q must be bfloat16 or float32": (q.astype(jnp.float16), kp, vp, ks, vs, table, lens),
+        "q must be \\[B, N, H\\]": (q[:, None], kp, vp, ks, vs, table, lens),
+        "must match": (q, kp, vp.astype(F32), ks, vs, table, lens),
+        "multiple of K=2": (q[:, :3], kp, vp, ks, vs, table, lens),
+        "head dims differ": (q[..., :8], kp, vp, ks, vs, table, lens),
+        "page_table must be \\[B=4": (q, kp, vp, ks, vs, table[:2], lens),
+        "lengths must be int32": (q, kp, vp, ks, vs, table, lens.astype(F32)),
+        "k_scale must be one float32 scalar": (q, kp, vp, jnp.ones((2,), F32), vs, table, lens),
+        "page pools must be one of": (q, kp.astype(jnp.int8), vp.astype(jnp.int8), ks, vs, table, lens),
+    }
+    for msg, bad_args in bad.items():
+        with pytest.raises(ValueError, match=msg):
+            pa.paged_attention(*bad_args, interpret=True)
+    with pytest.raises(ValueError, match="head_dim \\(8\\)"):
+        pa.paged_attention(q[..., :8], kp[..., :8], vp[..., :8], ks, vs, table, lens, interpret=True)
+    with pytest.raises(ValueError, match="pages_per_block must be a power of two"):
+        pa.PagedAttentionConfig(pages_per_block=3)
+    with pytest.raises(ValueError, match="config must be a PagedAttentionConfig"):
+        pa.paged_attention(*args, config=dataclasses.asdict(pa.DEFAULT_CONFIG), interpret=True)
+
+
+def test_main_without_gpu(capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("the GPU run is the benchmark itself")
+    assert pa.main(["--quick"]) == 0
+    assert "needs a GPU" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+class TestFullSizeGpu:
+    """Qwen3-8B attention sizes (N=32, K=8, H=128, pages of 16) natively on the GPU."""
+
+    @pytest.mark.parametrize("pool", [BF16, FP8], ids=["bf16", "fp8"])
+    @pytest.mark.parametrize("batch", [1, 64])
+    def test_vs_reference(self, pool, batch):
+        rng = np.random.default_rng(batch)
+        lengths = rng.integers(1, 4097, batch)
+        lengths[0] = 4096
+        kw = {"N": 32, "K": 8, "H": 128, "ps": 16, "max_pages": 257, "pool": pool, "q_dtype": BF16}
+        args, q64, row_kv = make_case(batch, lengths, **kw)
+        got = pa.paged_attention(*args, interpret=False)
+        assert np.isfinite(np.asarray(got.astype(F32))).all()
+        assert _max_rel(got, pa.paged_attention_reference(*args)) < TOL_REF[BF16]
+        idx = [0, batch - 1]  # float64 on two rows keeps the test short
+        want = attention_f64(q64, row_kv, 8, idx)
+        assert _max_rel(np.asarray(got.astype(F32))[idx], want) < TOL_F64[BF16]
+
+    def test_long_context_fp8_error_flat(self):
+        errs = [_needle_fp8_error(ctx, seed=7, N=32, K=8, H=128, interpret=False, bp=8) for ctx in (1024, 8192, 32768)]
+        print("FP8 vs f32 KV at 1k/8k/32k:", errs)
+        assert max(errs) < 2**-4
+        assert errs[1] < 1.5 * errs[0] and errs[2] < 1.5 * errs[0]
+
+
+@pytest.mark.gpu
+def test_engine_decode_with_kernel_gpu():
+    """The rollout engine decoding through the kernel (jitted multi-step loop, donated cache) samples
+    the same tokens as through the reference read path: float32 compute over an FP8 KV pool. (On
+    the CPU the same check passes in interpret mode but takes ~30 s, so it runs on the GPU only.)"""
+    from configs.models import tiny_qwen3
+    from fp8rl_jax.models import Fp8Mode, init_params
+    from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
+    from fp8rl_jax.rollout.sampling import SamplingConfig
+
+    cfg = tiny_qwen3
+    ec = EngineConfig(max_slots=3, page_size=4, num_pages=64, max_seq_len=64, steps_per_call=3, prefill_batch=2,
+                      prefill_buckets=(8, 16, 32, 64), dtype="float32", precision=Fp8Mode.KV)
+    params = init_params(cfg, jax.random.key(0), jnp.float32)
+    params = jax.tree.map(lambda w: w * 50 / np.sqrt(w.shape[-1]) if w.ndim >= 2 else w, params)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in [3, 12, 7, 1]]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
+    out = {}
+    for kern in (Kernels.REFERENCE, Kernels.PALLAS):
+        engine = JaxEngine(cfg, params, ec)
+        engine.cache = engine.cache.replace(kernels=kern)
+        out[kern] = engine.generate(prompts, sampling)
+    assert out[Kernels.PALLAS].token_lists() == out[Kernels.REFERENCE].token_lists()
+    np.testing.assert_allclose(out[Kernels.PALLAS].logprobs, out[Kernels.REFERENCE].logprobs, atol=1e-4)
