@@ -42,6 +42,7 @@ from fp8rl_jax.quant import quantize_activations, quantize_weight_blockwise  # n
 from pallas_kernels import fp8_gemm as gemm_kernel  # noqa: E402
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel  # noqa: E402
 from pallas_kernels import fp8_quant as quant_kernel  # noqa: E402
+from pallas_kernels.common import replay_ms  # noqa: E402
 
 BENCH_M = (64, 256, 2048, 8192)
 QWEN3_8B_NK = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288))
@@ -74,25 +75,6 @@ def environment() -> dict:
     except ImportError:
         env["torch"] = None
     return env
-
-
-def time_jax(fn, arg_sets, n_replays: int = 10) -> float:
-    """Median ms per call of ``fn`` over the distinct argument tuples in ``arg_sets``, one jit."""
-
-    @jax.jit
-    def run(sets):
-        acc = jnp.float32(0)
-        for args in sets:
-            acc = acc + fn(*args).reshape(-1)[0].astype(jnp.float32)
-        return acc
-
-    jax.block_until_ready(run(arg_sets))
-    times = []
-    for _ in range(n_replays):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(arg_sets))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times) / len(arg_sets)
 
 
 def time_torch(fn, arg_sets, n_replays: int = 10) -> float:
@@ -154,7 +136,7 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool) -> dict:
         try:
             out = gemm_kernel.fp8_gemm(qa, sa, qws[0].q, qws[0].scale_inv, out_dtype=jnp.float32, config=cfg)
             err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-            ms = time_jax(lambda a, s, b, bs, cfg=cfg: gemm_kernel.fp8_gemm(a, s, b, bs, config=cfg),
+            ms = replay_ms(lambda a, s, b, bs, cfg=cfg: gemm_kernel.fp8_gemm(a, s, b, bs, config=cfg),
                           [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)])
         except Exception as e:  # a config that does not compile is reported, not fatal
             row.setdefault("failed_configs", []).append(f"{dataclasses.asdict(cfg)}: {type(e).__name__}")
@@ -167,15 +149,15 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool) -> dict:
     try:  # the Mosaic GPU (TMA + wgmma) kernel, default config for the shape
         out = mgpu_kernel.fp8_gemm_mgpu(qa, sa, qws[0].q, qws[0].scale_inv, out_dtype=jnp.float32)
         err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-        record("ours_mgpu", time_jax(lambda a, s, b, bs: mgpu_kernel.fp8_gemm_mgpu(a, s, b, bs),
+        record("ours_mgpu", replay_ms(lambda a, s, b, bs: mgpu_kernel.fp8_gemm_mgpu(a, s, b, bs),
                                      [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)]))
         row["ours_mgpu"]["rel_err_vs_reference"] = err
     except Exception as e:
         row["ours_mgpu"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-    record("xla_bf16", time_jax(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16),
+    record("xla_bf16", replay_ms(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16),
                                 list(zip(xs, ws))))
     a8 = [x.astype(jnp.float8_e4m3fn) for x in xs]
-    record("xla_fp8_tensorwise", time_jax(
+    record("xla_fp8_tensorwise", replay_ms(
         lambda a, b: (jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                       * jnp.float32(0.5)).astype(jnp.bfloat16),
         [(a, w.q) for a, w in zip(a8, qws)]))

@@ -178,7 +178,11 @@ def test_rejects_bad_config_and_flags():
 def test_default_config_choice():
     assert G.default_config(64, 4096) == G.DECODE_CONFIG
     assert G.default_config(64, 384) == G.DEFAULT_CONFIG  # N not a multiple of 256
-    assert G.default_config(2048, 4096) == G.DEFAULT_CONFIG
+    assert G.default_config(2048, 4096) == G.DECODE_CONFIG
+    assert G.default_config(2049, 4096) == G.DEFAULT_CONFIG
+    assert G.supports(64, 4096, 4096) and G.supports(64, 384, 4096)
+    assert not G.supports(64, 4096, 4000)  # K not a multiple of 128
+    assert not G.supports(4096, 200, 4096)  # N not a multiple of the 128-wide CTA tile
     for cfg in G.SWEEP_CONFIGS:  # the benchmark sweep fits in shared memory with bf16 output
         assert cfg.smem_bytes(jnp.bfloat16) <= G._SMEM_BYTES
 
@@ -188,3 +192,25 @@ def test_main_without_gpu_is_a_noop(capsys):
         pytest.skip("main() benchmarks on a GPU")
     assert G.main([]) == 0
     assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_w8a8_policy_dispatches_to_the_mosaic_kernel(monkeypatch):
+    """W8A8Policy with Kernels.PALLAS runs this kernel for shapes it supports and the Triton kernel
+    (masked edges) otherwise; both agree with the reference path (interpret mode here)."""
+    from fp8rl_jax.models.policy import Proj, Site
+    from fp8rl_jax.quant.policy import Kernels, W8A8Policy
+    from pallas_kernels import fp8_gemm as T
+
+    calls = []
+    for mod, name in ((G, "fp8_gemm_mgpu"), (T, "fp8_gemm")):
+        orig = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
+    site = Site(0, Proj.Q)
+    for (m, n, k), expect in (((6, 128, 256), "fp8_gemm_mgpu"), ((6, 96, 256), "fp8_gemm")):
+        x, w, *_ = _operands(m, n, k, seed=m + n)
+        qw = quantize_weight_blockwise(w)
+        calls.clear()
+        out = W8A8Policy("float32", kernels=Kernels.PALLAS).dot(x, qw, site)
+        assert calls == [expect]
+        ref = W8A8Policy("float32", kernels=Kernels.REFERENCE).dot(x, qw, site)
+        assert _rel_err(out, ref) < TOL_INTERPRET[jnp.float32]

@@ -16,14 +16,16 @@ a plain array the dense path. The layer policy is therefore applied once, when t
 quantized, and trainer and generator still share one model definition.
 
 Kernels (``Kernels``): on a GPU backend the Pallas kernels run (``pallas_kernels.fp8_quant``,
-bit-identical to the reference evaluated on the CPU, and ``pallas_kernels.fp8_gemm``); elsewhere
-the jnp reference. (On XLA:GPU the reference's ``amax / 448`` compiles to a multiply by the
+bit-identical to the reference evaluated on the CPU; the GEMM is ``pallas_kernels.fp8_gemm_mgpu``
+(TMA + wgmma, Mosaic GPU) where the shape allows (K a multiple of 128, N of its 128-wide CTA tile:
+every Qwen3 projection) and ``pallas_kernels.fp8_gemm`` (Triton lowering, masked edges) otherwise);
+elsewhere the jnp reference. (On XLA:GPU the reference's ``amax / 448`` compiles to a multiply by the
 reciprocal, one ulp low on about half the scales as measured on the H200; the kernel divides
 exactly, one more reason GPU quantization goes through it.)
 The reference GEMM dequantizes both operands and multiplies in float32 (HIGHEST): the same
 math as the kernel's per-K-block promotion, summed in another order, without the kernel
-reference's [K/128, M, N] intermediate. MoE experts take the reference grouped path until the
-grouped kernel lands. ``Kernels.PALLAS`` forces the kernels (interpret mode off the GPU: tests).
+reference's [K/128, M, N] intermediate. MoE experts run ``pallas_kernels.fp8_grouped_gemm``
+(Triton) under the same condition, and the reference grouped path elsewhere. ``Kernels.PALLAS`` forces the kernels (interpret mode off the GPU: tests).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, MatmulPoli
 from fp8rl_jax.quant.fp8 import (QuantizedWeight, dequantize_activations, quantize_activations,
                                  quantize_weight_blockwise)
 from pallas_kernels import fp8_gemm as gemm_kernel
+from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel
+from pallas_kernels import fp8_grouped_gemm as grouped_gemm_kernel
 from pallas_kernels import fp8_quant as quant_kernel
 
 FP8_PROJS = frozenset({Proj.Q, Proj.K, Proj.V, Proj.O, Proj.GATE, Proj.UP, Proj.DOWN,
@@ -167,8 +171,13 @@ class W8A8Policy(MatmulPolicy):
         lead = x.shape[:-1]
         xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]), self.group_size)
         if self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK:
-            y = gemm_kernel.fp8_gemm(xq, xs, w.q, w.scale_inv, out_dtype=self.compute_dtype,
-                                     interpret=jax.default_backend() != "gpu")
+            m, (n, k) = xq.shape[0], w.shape
+            interpret = jax.default_backend() != "gpu"
+            if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
+                y = mgpu_kernel.fp8_gemm_mgpu(xq, xs, w.q, w.scale_inv, out_dtype=self.compute_dtype,
+                                              interpret=interpret)
+            else:  # masked edges: any N, K
+                y = gemm_kernel.fp8_gemm(xq, xs, w.q, w.scale_inv, out_dtype=self.compute_dtype, interpret=interpret)
         else:
             y = w8a8_matmul_reference(xq, xs, w, self.group_size)
         return y.astype(self.compute_dtype).reshape(*lead, w.shape[0])
@@ -177,6 +186,11 @@ class W8A8Policy(MatmulPolicy):
         if not isinstance(w, QuantizedWeight):
             return self._dense.ragged_dot(x, w, group_sizes, site)
         xq, xs = quantize_activations(x, self.group_size)
+        if (self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK
+                and jnp.dtype(w.q.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
+            return grouped_gemm_kernel.fp8_grouped_gemm(xq, xs, w.q, w.scale_inv, group_sizes,
+                                                        out_dtype=self.compute_dtype,
+                                                        interpret=jax.default_backend() != "gpu")
         a = dequantize_activations(xq, xs, self.group_size, dtype=jnp.float32)
         y = jax.lax.ragged_dot_general(a, w.dequantize(jnp.float32), group_sizes, RAGGED_DN,
                                        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
