@@ -14,9 +14,9 @@ Workloads (the ones vLLM was measured on, ../shared/vllm-h200/README.md):
     python experiments/bench_rollout.py --preset qwen3_8b --workload W1 --modes none all
     python experiments/bench_rollout.py --preset tiny_qwen3 --workload tiny   # CPU smoke run
 
-Caveat until the Pallas paged-attention kernel lands: the engine's attention is the pure-jnp
-reference, which gathers every slot's whole page table each decode step, so a full-size run
-measures that reference, not the engine's intended attention path. No H200 numbers exist yet.
+Decode attention runs the Pallas paged-attention kernel on the GPU (``pallas_kernels.paged_attention``:
+only the pages below each row's length are read); prefill attention is still the jnp reference
+over the row's page table.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import platform
 import sys
@@ -132,6 +133,7 @@ def main(cfg: BenchConfig) -> dict:
         "runs": [],
     }
     for mode in cfg.modes:
+        gc.collect()  # the previous mode's engine (and its KV pool) must be gone before the next one allocates
         row = run_mode(cfg, params, mode)
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
@@ -153,10 +155,19 @@ if __name__ == "__main__":
     ap.add_argument("--modes", nargs="*", choices=[m.value for m in Fp8Mode], default=[m.value for m in Fp8Mode])
     ap.add_argument("--kv-gib", type=float, default=BenchConfig.engine.kv_budget_gib)
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
+    ap.add_argument("--steps-per-call", type=int, default=BenchConfig.engine.steps_per_call)
+    ap.add_argument("--prefill-batch", type=int, default=BenchConfig.engine.prefill_batch)
+    ap.add_argument("--prompts", type=int, default=0, help="use only the first N prompts of the workload (0: all)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     small = a.workload == "tiny"
-    engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, max_slots=a.max_slots,
-                                 **({"max_seq_len": 64, "steps_per_call": 4, "dtype": "float32"} if small else {}))
-    main(BenchConfig(model=PRESETS[a.preset], workload=WORKLOADS[a.workload],
+    w = WORKLOADS[a.workload]
+    if a.prompts:
+        w = dataclasses.replace(w, prompts=min(a.prompts, w.prompts))
+    # max_seq_len = what the workload needs, so prefill attention spans no more pages than it must
+    sizing = dict(max_seq_len=w.prompt_len + w.max_new, steps_per_call=a.steps_per_call, prefill_batch=a.prefill_batch)
+    if small:
+        sizing.update(max_seq_len=64, steps_per_call=4, dtype="float32")
+    engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, max_slots=a.max_slots, **sizing)
+    main(BenchConfig(model=PRESETS[a.preset], workload=w,
                      modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine, out=a.out))

@@ -343,7 +343,23 @@ def paged_attention(
     _check_operands(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths)
     if k_pages.shape[1] * config.pages_per_block < MIN_ROWS:  # a block must be >= 16 tokens
         config = dataclasses.replace(config, pages_per_block=MIN_ROWS // k_pages.shape[1])
+    config = _fit_shared_memory(config, k_pages)
     return _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths, config, interpret)
+
+
+_SMEM_BUDGET = 160 * 1024  # of Hopper's 227 KB per block: room for q, the accumulator and Triton's scratch
+
+
+def _fit_shared_memory(config: PagedAttentionConfig, k_pages: jax.Array) -> PagedAttentionConfig:
+    """Halves ``pages_per_block`` while the K and V tiles of all pipeline stages would overflow shared
+    memory (a float32 pool at H = 128 needs 256 KB with 8 pages of 16 tokens and 2 stages: seen on the
+    H200), down to the 16-row minimum of a Triton dot."""
+    page_size, _, H = k_pages.shape[1:]
+    tile = lambda ppb: 2 * ppb * page_size * H * jnp.dtype(k_pages.dtype).itemsize * max(config.num_stages, 1)  # noqa: E731
+    ppb = config.pages_per_block
+    while tile(ppb) > _SMEM_BUDGET and ppb > 1 and (ppb // 2) * page_size >= MIN_ROWS:
+        ppb //= 2
+    return config if ppb == config.pages_per_block else dataclasses.replace(config, pages_per_block=ppb)
 
 
 @jax.jit
