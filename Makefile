@@ -24,7 +24,7 @@ $(REF)/.installed: tests/requirements-ref.txt
 setup: $(VENV)/.installed $(REF)/.installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/python experiments/score_demo.py
+	$(VENV)/bin/python experiments/quickstart.py
 
 test: $(VENV)/.installed $(REF)/.installed
 	FP8RL_REF_PYTHON=$(abspath $(REF))/bin/python $(VENV)/bin/python -m pytest -q tests

@@ -43,3 +43,18 @@ def test_bench_gemm_says_it_needs_a_gpu(capsys):
     bench = _load("bench_gemm")
     assert bench.main([]) == 0
     assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_quickstart_tiny(tmp_path):
+    """The README's main job end to end on a few steps: warm-up, FP8 rollouts, updates, eval, plot."""
+    from fp8rl_jax.rl.config import override
+
+    qs = _load("quickstart")
+    cfg = override(qs.QuickstartConfig(), ["rl.data.steps=2", "rl.data.prompts_per_step=4", "rl.rollout.n_samples=4",
+                                           "sft_steps=3", "eval_prompts=8", "rl.data.eval_every=1"])
+    summary = qs.main(cfg, tmp_path)
+    assert summary["rl_steps"] == 2 and summary["precision"] == "all"
+    assert (tmp_path / "quickstart.png").read_bytes()[:4] == b"\x89PNG"
+    rows = [r for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 + 3  # 2 steps + evals at steps 0, 1, 2
+    assert 0.0 <= summary["eval_accuracy_after_rl"] <= 1.0 and summary["mismatch_kl_k3_mean"] >= 0.0

@@ -1,0 +1,315 @@
+"""The RL run's configuration: one frozen dataclass tree, command-line overrides, sweeps.
+
+``RLConfig`` holds everything a run needs, by section:
+
+    model      ModelConfig (architecture; presets in ``configs/models.py``)
+    rollout    RolloutConfig: samples per prompt, sampling, engine sizing
+    algorithm  AlgorithmConfig: advantage estimator + the loss (``LossConfig``: clipping,
+               aggregation, KL, entropy, rollout correction)
+    optimizer  OptimizerConfig: AdamW, schedule, clipping
+    trainer    TrainConfig: micro-batches, compute dtype, remat
+    precision  PrecisionConfig: rollout FP8 mode, FP8 KV calibration side, FP8 training
+    data       DataConfig: prompts per step, steps, evaluation cadence, seeds
+    logging    LoggingConfig: output folder, JSONL / TensorBoard / plot, progress bars
+
+Presets are module constants in ``configs/``; variants come from ``dataclasses.replace`` or
+from ``override(cfg, ["rollout.temperature=0.7", "precision.rollout=all"])``, which parses each
+value by the field's declared type (int, float, bool, str, enums by value or name, tuples,
+``None`` for optional fields) and re-runs every section's validation, so a bad value fails at
+start with the field's name. ``sweep(cfg, {"precision.rollout": ["none", "all"]})`` yields the
+cross product for notebooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import types
+import typing
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy
+from fp8rl_jax.rl.algos import AdvantageEstimator
+from fp8rl_jax.rl.trainer import ComputeDtype, LossConfig, OptimizerConfig, TrainerConfig
+from fp8rl_jax.rollout.engine import EngineConfig, KvCalibration
+from fp8rl_jax.rollout.sampling import SamplingConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value or override that cannot be used; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Generation settings: ``n_samples`` responses per prompt (a GRPO group), sampled at
+    ``temperature`` / ``top_p`` / ``top_k`` up to ``max_new_tokens``, on a JAX engine with
+    ``max_slots`` decode slots, ``page_size``-token KV pages and a KV budget of ``kv_budget_gib``."""
+
+    n_samples: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 1024
+    max_seq_len: int = 4096
+    max_slots: int = 64
+    page_size: int = 16
+    kv_budget_gib: float = 1.0
+    steps_per_call: int = 8
+    prefill_batch: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("n_samples", "max_new_tokens", "max_seq_len", "max_slots", "page_size", "steps_per_call",
+                     "prefill_batch"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.kv_budget_gib <= 0:
+            raise ConfigError(f"rollout.kv_budget_gib must be > 0, got {self.kv_budget_gib}")
+        try:
+            self.sampling(0)
+        except ValueError as e:
+            raise ConfigError(f"rollout: {e}") from None
+
+
+    def sampling(self, seed: int, stop_token_ids: Sequence[int] = ()) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=self.max_new_tokens, stop_token_ids=tuple(stop_token_ids), seed=seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """How advantages are estimated and what loss they feed."""
+
+    estimator: AdvantageEstimator = AdvantageEstimator.GRPO
+    loss: LossConfig = LossConfig()
+
+    def __post_init__(self) -> None:
+        if self.estimator is AdvantageEstimator.GAE:
+            raise ConfigError("algorithm.estimator GAE needs a value head, which the RL loop does not train yet; "
+                              "use grpo or grpo_no_std")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The static parts of a train step besides loss and optimizer (``TrainerConfig``)."""
+
+    micro_batches: int = 1
+    compute_dtype: ComputeDtype = ComputeDtype.BFLOAT16
+    remat: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Rollout precision (``Fp8Mode``: none | w8a8 | kv | all), where FP8 KV scales come from after
+    each weight sync, and whether the trainer's own GEMMs run in FP8 (end-to-end FP8)."""
+
+    rollout: Fp8Mode = Fp8Mode.ALL
+    kv_calibration: KvCalibration = KvCalibration.INFERENCE
+    train_fp8: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Which prompts, how many per step, for how long; evaluation cadence."""
+
+    train_path: str | None = None  # jsonl / parquet of prompts with answers (None: the script's built-in task)
+    eval_path: str | None = None
+    prompts_per_step: int = 32
+    steps: int = 100
+    eval_every: int = 10  # 0: never
+    eval_samples: int = 1  # k samples per evaluation prompt (mean accuracy over k)
+    eval_prompts: int = 0  # 0: all
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "steps", "eval_samples"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"data.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("eval_every", "eval_prompts"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ConfigError(f"data.{name} must be an int >= 0, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Where metrics go: ``out_dir/metrics.jsonl`` always; TensorBoard event files and a PNG
+    plot when asked (and the packages are installed); progress bars on a terminal."""
+
+    out_dir: str = "runs/rl"
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+    checkpoint_every: int = 0  # 0: no checkpoints
+    keep_checkpoints: int = 2
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise ConfigError(f"logging.checkpoint_every must be >= 0 and logging.keep_checkpoints >= 1, got "
+                              f"{self.checkpoint_every} and {self.keep_checkpoints}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """One RL run. Sections as in the module docstring; ``seed`` seeds params init and sampling."""
+
+    model: ModelConfig
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    trainer: TrainConfig = TrainConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    data: DataConfig = DataConfig()
+    logging: LoggingConfig = LoggingConfig()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rollout.max_seq_len > self.model.max_position_embeddings:
+            raise ConfigError(f"rollout.max_seq_len = {self.rollout.max_seq_len} exceeds the model's "
+                              f"max_position_embeddings = {self.model.max_position_embeddings}")
+        batch = self.data.prompts_per_step * self.rollout.n_samples
+        if batch % self.trainer.micro_batches:
+            raise ConfigError(f"trainer.micro_batches = {self.trainer.micro_batches} must divide the batch "
+                              f"data.prompts_per_step x rollout.n_samples = {batch}")
+
+    def trainer_config(self) -> TrainerConfig:
+        return TrainerConfig(loss=self.algorithm.loss, optimizer=self.optimizer,
+                             micro_batches=self.trainer.micro_batches, compute_dtype=self.trainer.compute_dtype,
+                             remat=self.trainer.remat)
+
+    def train_policy(self) -> MatmulPolicy:
+        """The trainer's matmul policy: FP8 GEMMs forward and backward with ``precision.train_fp8``
+        (``fp8rl_jax.quant.training.Fp8TrainPolicy``), else dense in the compute dtype."""
+        dtype = self.trainer.compute_dtype.value
+        if self.precision.train_fp8:
+            from fp8rl_jax.quant.training import Fp8TrainPolicy
+
+            return Fp8TrainPolicy.for_model(self.model, dtype)
+        return DensePolicy(dtype)
+
+    def engine_config(self) -> EngineConfig:
+        r = self.rollout
+        return EngineConfig(max_slots=r.max_slots, page_size=r.page_size, kv_budget_gib=r.kv_budget_gib,
+                            max_seq_len=r.max_seq_len, steps_per_call=r.steps_per_call,
+                            prefill_batch=r.prefill_batch, precision=self.precision.rollout,
+                            dtype=self.trainer.compute_dtype.value, kv_calibration=self.precision.kv_calibration)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.logging.out_dir)
+
+
+# ------------------------------------------------------------------------------------ overrides
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _parse(text: str, tp: Any, where: str) -> Any:
+    """``text`` as a value of the annotated type ``tp``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.lower() == "none" and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _parse(text, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
+    if origin is tuple:
+        items = [t for t in (s.strip() for s in text.strip("()[]").split(",")) if t]
+        inner = args[0] if args else str
+        return tuple(_parse(t, inner, where) for t in items)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        for m in tp:
+            if text in (m.value, m.name) or text.lower() in (str(m.value).lower(), m.name.lower()):
+                return m
+        raise ConfigError(f"{where}: {text!r} is not one of {[m.value for m in tp]}")
+    if tp is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: {text!r} is not a bool (true/false)")
+    if tp in (int, float, str):
+        try:
+            return tp(text)
+        except ValueError:
+            raise ConfigError(f"{where}: {text!r} is not a valid {tp.__name__}") from None
+    raise ConfigError(f"{where}: fields of type {tp} cannot be set from the command line")
+
+
+def _set(obj: Any, path: Sequence[str], text: str, where: str) -> Any:
+    if not dataclasses.is_dataclass(obj):
+        raise ConfigError(f"{where}: {type(obj).__name__} has no fields")
+    name = path[0]
+    types_ = _field_types(type(obj))
+    if name not in types_:
+        raise ConfigError(f"{where}: unknown field {name!r}; {type(obj).__name__} has {sorted(types_)}")
+    if len(path) == 1:
+        value = _parse(text, types_[name], where)
+    else:
+        value = _set(getattr(obj, name), path[1:], text, where)
+    try:
+        return dataclasses.replace(obj, **{name: value})
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def override(cfg: RLConfig, assignments: Iterable[str]) -> RLConfig:
+    """Applies ``section.field=value`` assignments (nested fields with more dots) in order."""
+    for a in assignments:
+        if "=" not in a:
+            raise ConfigError(f"override {a!r} is not of the form section.field=value")
+        key, text = a.split("=", 1)
+        cfg = _set(cfg, key.strip().split("."), text.strip(), f"--set {key.strip()}")
+    return cfg
+
+
+def sweep(cfg: RLConfig, grid: Mapping[str, Sequence[Any]]) -> Iterator[RLConfig]:
+    """Every combination of ``grid`` (``{"section.field": [values...]}``) applied to ``cfg``;
+    values may be strings (parsed like overrides) or already typed."""
+    keys = list(grid)
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        c = cfg
+        for k, v in zip(keys, combo):
+            if isinstance(v, str):
+                c = override(c, [f"{k}={v}"])
+            else:
+                path = k.split(".")
+                c = _replace_path(c, path, v, f"sweep {k}")
+        yield c
+
+
+def _replace_path(obj: Any, path: Sequence[str], value: Any, where: str) -> Any:
+    name = path[0]
+    if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
+        raise ConfigError(f"{where}: unknown field {name!r}")
+    if len(path) > 1:
+        value = _replace_path(getattr(obj, name), path[1:], value, where)
+    try:
+        return dataclasses.replace(obj, **{name: value})
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def to_dict(cfg: Any) -> Any:
+    """A JSON-ready view of a config tree (enums by value, tuples as lists)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    if isinstance(cfg, (tuple, list, frozenset, set)):
+        return [to_dict(x) for x in cfg]
+    return cfg

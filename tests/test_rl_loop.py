@@ -1,0 +1,226 @@
+"""The RL loop's stages, its config tree and the prompt sources (CPU, tiny model)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs.models import tiny_qwen3
+from configs.rl import PRESETS, QUICKSTART
+from fp8rl_jax.models import DensePolicy, Fp8Mode, init_params
+from fp8rl_jax.rl import config as rlconfig
+from fp8rl_jax.rl.algos import AdvantageEstimator, Correction, LossAgg
+from fp8rl_jax.rl.loop import (MetricsLogger, build_batch, make_sft_step, plot_metrics, read_metrics, rollout, score,
+                               sync_weights, with_trainer_logprobs)
+from fp8rl_jax.rl.trainer import (ComputeDtype, TrainerConfig, init_train_state, make_logprob_fn, make_optimizer,
+                                  token_logprobs)
+from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine, KvCalibration
+from fp8rl_jax.rollout.sampling import SamplingConfig
+from fp8rl_jax.tasks import AdditionTask, PromptDataset, exact_match_reward, load_examples
+
+
+# ------------------------------------------------------------------------------------ config
+
+
+def test_override_parses_by_field_type():
+    cfg = rlconfig.override(QUICKSTART, [
+        "rollout.temperature=0.7", "rollout.n_samples=4", "precision.rollout=w8a8", "precision.train_fp8=true",
+        "algorithm.loss.agg=seq_mean_token_sum", "algorithm.loss.dual_clip=3.0", "optimizer.max_grad_norm=none",
+        "algorithm.loss.correction=TOKEN_MIS", "model.eos_token_ids=(1, 2)", "data.train_path=/x.jsonl"])
+    assert cfg.rollout.temperature == 0.7 and cfg.rollout.n_samples == 4
+    assert cfg.precision.rollout is Fp8Mode.W8A8 and cfg.precision.train_fp8 is True
+    assert cfg.algorithm.loss.agg is LossAgg.SEQ_MEAN_TOKEN_SUM and cfg.algorithm.loss.dual_clip == 3.0
+    assert cfg.optimizer.max_grad_norm is None and cfg.algorithm.loss.correction is Correction.TOKEN_MIS
+    assert cfg.model.eos_token_ids == (1, 2) and cfg.data.train_path == "/x.jsonl"
+    assert QUICKSTART.rollout.temperature == 1.0  # frozen: the preset is untouched
+    assert cfg.engine_config().precision is Fp8Mode.W8A8
+    from fp8rl_jax.quant.training import Fp8TrainPolicy
+
+    assert isinstance(cfg.train_policy(), Fp8TrainPolicy) and isinstance(QUICKSTART.train_policy(), DensePolicy)
+    tc = cfg.trainer_config()
+    assert isinstance(tc, TrainerConfig) and tc.loss is cfg.algorithm.loss
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("rollout.n_sample=4", "unknown field 'n_sample'"),
+    ("rollout.n_samples=0", "rollout.n_samples must be an int >= 1"),
+    ("rollout.n_samples=two", "'two' is not a valid int"),
+    ("precision.rollout=fp4", "'fp4' is not one of"),
+    ("rollout.top_p=1.5", "top_p"),
+    ("optimizer.lr=-1", "lr must be > 0"),
+    ("trainer.micro_batches=3", "must divide the batch"),
+    ("rollout.max_seq_len=100000", "max_position_embeddings"),
+    ("rollout", "section.field=value"),
+])
+def test_override_rejects_bad_values_naming_the_field(bad, match):
+    with pytest.raises(rlconfig.ConfigError, match=match):
+        rlconfig.override(QUICKSTART, [bad])
+
+
+def test_sweep_and_presets():
+    cfgs = list(rlconfig.sweep(QUICKSTART, {"precision.rollout": ["none", "all"], "optimizer.lr": [1e-4, 3e-4]}))
+    assert [(c.precision.rollout, c.optimizer.lr) for c in cfgs] == [
+        (Fp8Mode.NONE, 1e-4), (Fp8Mode.NONE, 3e-4), (Fp8Mode.ALL, 1e-4), (Fp8Mode.ALL, 3e-4)]
+    for name, cfg in PRESETS.items():  # every preset validates and serializes
+        json.dumps(rlconfig.to_dict(cfg))
+        assert cfg.engine_config().precision is Fp8Mode.ALL, name
+    with pytest.raises(rlconfig.ConfigError, match="value head"):
+        rlconfig.AlgorithmConfig(estimator=AdvantageEstimator.GAE)
+
+
+# ------------------------------------------------------------------------------------ tasks and data
+
+
+def test_addition_task_and_reward():
+    ex = AdditionTask(3).sample(np.random.default_rng(0), 200)
+    for e in ex:
+        a, b = e.prompt[:-1].split("+")
+        assert len(a) == len(b) == 3 and int(a) + int(b) == int(e.answer)
+    assert exact_match_reward(" 46 ", "46") == 1.0 and exact_match_reward("461", "46") == 0.0
+    with pytest.raises(ValueError, match="digits"):
+        AdditionTask(0)
+
+
+def test_load_examples_jsonl_and_errors(tmp_path):
+    good = tmp_path / "d.jsonl"
+    good.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n\n"
+                    + json.dumps({"prompt": [{"role": "user", "content": "Q2"}], "reward_model": {"ground_truth": 7}}) + "\n")
+    ex = load_examples(good, template="<{question}>")
+    assert [(e.prompt, e.answer) for e in ex] == [("<1+1?>", "2"), ("<Q2>", "7")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q"}) + "\n")
+    with pytest.raises(ValueError, match="row 1 has no question .* or no answer"):
+        load_examples(bad)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    with pytest.raises(ValueError, match="broken.jsonl:1: not valid JSON"):
+        load_examples(broken)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_examples(tmp_path / "missing.jsonl")
+
+
+def test_prompt_dataset_epochs_and_resumable_cursor():
+    ds = PromptDataset([AdditionTask(1).sample(np.random.default_rng(i), 1)[0] for i in range(5)], seed=3)
+    first = ds.next_batch(7)
+    assert sorted(e.prompt for e in first[:5]) == sorted(e.prompt for e in ds.examples)  # epoch 0 is a permutation
+    resumed = PromptDataset(ds.examples, seed=3, cursor=ds.cursor)
+    assert ds.next_batch(6) == resumed.next_batch(6)
+
+
+# ------------------------------------------------------------------------------------ stages
+
+
+@pytest.fixture(scope="module")
+def tiny_setup():
+    cfg = dataclasses.replace(tiny_qwen3, vocab_size=32, eos_token_ids=(1,))
+    params = init_params(cfg, jax.random.key(0), jnp.float32)
+    return cfg, params
+
+
+def _engine(cfg, params, precision=Fp8Mode.NONE, dtype="float32", **kw):
+    ec = EngineConfig(max_slots=8, page_size=4, num_pages=64, max_seq_len=32, steps_per_call=4, prefill_batch=8,
+                      precision=precision, dtype=dtype, **kw)
+    return JaxEngine(cfg, params, ec)
+
+
+def test_rollout_score_build_batch_and_trainer_logprobs(tiny_setup):
+    """End to end through the stages in float32: the batch puts prompt + response, mask, rollout
+    logprobs and group advantages where they belong, and the trainer's logprobs of the rollout
+    tokens equal the engine's (ratio 1: same precision)."""
+    cfg, params = tiny_setup
+    engine = _engine(cfg, params)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    G = 4
+    ro = rollout(engine, prompts, n_samples=G, sampling=lambda s: SamplingConfig(temperature=1.0, max_tokens=6, seed=s),
+                 step=3, seed=1)
+    assert ro.group_ids.tolist() == [0] * G + [1] * G + [2] * G and len(ro.prompts) == 3 * G
+    assert len({tuple(t) for t in ro.batch.token_lists()[:G]}) > 1  # distinct seeds within a group
+    answers = ["x", "y", "z"]
+    reward_fn = lambda text, ans: float(len(text) % 2 == 0) + (0.5 if ans == "y" else 0.0)  # noqa: E731
+    decode = lambda ids: "a" * len(ids)  # noqa: E731
+    rewards, texts = score(ro, answers, reward_fn, decode)
+    np.testing.assert_allclose(rewards, [float(n % 2 == 0) + (0.5 if g == 1 else 0.0)
+                                         for n, g in zip(ro.batch.lengths, ro.group_ids)])
+    batch = build_batch(ro, rewards, estimator=AdvantageEstimator.GRPO_NO_STD, pad_multiple=8)
+    B, T = batch.tokens.shape
+    assert B == 3 * G and T % 8 == 0
+    toks, mask, rlp, adv = (np.asarray(x) for x in (batch.tokens, batch.loss_mask, batch.rollout_logprobs,
+                                                    batch.advantages))
+    for i, (p, r, lp) in enumerate(zip(ro.prompts, ro.batch.token_lists(), ro.batch.logprob_lists())):
+        n = len(p) + len(r)
+        assert toks[i, :n].tolist() == p + r and mask[i, len(p):n].all() and mask[i].sum() == len(r)
+        np.testing.assert_allclose(rlp[i, len(p):n], lp)
+        group = rewards[ro.group_ids == ro.group_ids[i]]
+        np.testing.assert_allclose(adv[i, len(p):n], rewards[i] - group.mean(), atol=1e-6)
+        assert not adv[i, n:].any() and not adv[i, :len(p)].any()
+    tc = TrainerConfig(compute_dtype=ComputeDtype.FLOAT32)
+    logprob_fn = make_logprob_fn(cfg, DensePolicy("float32"), tc)
+    batch = with_trainer_logprobs(batch, logprob_fn, params)
+    old = np.asarray(batch.old_logprobs)
+    np.testing.assert_allclose(old[mask > 0], rlp[mask > 0], atol=1e-4)
+    assert not old[mask == 0].any()
+    ref, _ = token_logprobs(params, batch.tokens, config=cfg, policy=DensePolicy("float32"))
+    np.testing.assert_allclose(old[mask > 0], np.asarray(ref)[mask > 0], atol=1e-5)
+
+
+def test_build_batch_rejects_bad_rewards(tiny_setup):
+    cfg, params = tiny_setup
+    ro = rollout(_engine(cfg, params), [[5, 6]], n_samples=2,
+                 sampling=lambda s: SamplingConfig(temperature=1.0, max_tokens=3, seed=s), step=0)
+    with pytest.raises(ValueError, match="NaN/Inf at samples \\[1\\]"):
+        build_batch(ro, np.array([1.0, np.nan], np.float32))
+    with pytest.raises(ValueError, match="shape \\[2\\]"):
+        build_batch(ro, np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="one answer per prompt"):
+        score(ro, ["a", "b"], exact_match_reward, str)
+
+
+def test_sync_weights_trainer_side_kv_scales_follow_the_update(tiny_setup):
+    cfg, params = tiny_setup
+    engine = _engine(cfg, params, precision=Fp8Mode.ALL, dtype="bfloat16", kv_calibration=KvCalibration.TRAINER)
+    tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (4, 8)).astype(np.int32)
+    lengths = np.array([8, 6, 5, 8], np.int32)
+    sync_weights(engine, params, model_config=cfg, precision=Fp8Mode.ALL, kv_calibration=KvCalibration.TRAINER,
+                 calibration_tokens=tokens, calibration_lengths=lengths)
+    k1 = np.asarray(engine.cache.k_scale).copy()
+    assert engine.kv_scales_fresh
+    bigger = jax.tree.map(lambda p: p * 2.0 if p.ndim == 2 else p, params)  # larger K projections -> larger scales
+    sync_weights(engine, bigger, model_config=cfg, precision=Fp8Mode.ALL, kv_calibration=KvCalibration.TRAINER,
+                 calibration_tokens=tokens, calibration_lengths=lengths)
+    assert engine.kv_scales_fresh and not np.allclose(np.asarray(engine.cache.k_scale), k1)
+    with pytest.raises(ValueError, match="calibration_tokens"):
+        sync_weights(engine, params, model_config=cfg, precision=Fp8Mode.ALL, kv_calibration=KvCalibration.TRAINER)
+
+
+def test_sft_step_lowers_the_masked_cross_entropy(tiny_setup):
+    cfg, params = tiny_setup
+    tc = TrainerConfig(compute_dtype=ComputeDtype.FLOAT32)
+    opt = make_optimizer(dataclasses.replace(tc.optimizer, lr=1e-2))
+    state = init_train_state(params, opt, jax.random.key(1))
+    step = make_sft_step(cfg, DensePolicy("float32"), tc, opt)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (4, 6)).astype(np.int32))
+    mask = jnp.zeros((4, 6)).at[:, 3:].set(1.0)
+    losses = []
+    for _ in range(8):
+        state, m = step(state, tokens, mask)
+        losses.append(float(m["loss"]))
+    logp, _ = token_logprobs(params, tokens, config=cfg, policy=DensePolicy("float32"))
+    m0 = np.asarray(mask).copy()
+    np.testing.assert_allclose(losses[0], -(np.asarray(logp) * m0).sum() / m0.sum(), rtol=1e-5)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_metrics_logger_jsonl_tensorboard_and_plot(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=True) as log:
+        for s in range(3):
+            log.log(s, {"reward/mean": s / 2, "mismatch/kl_k3": np.float32(1e-3), "bad": float("nan")})
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["reward/mean"] for r in rows] == [0.0, 0.5, 1.0] and rows[0]["bad"] is None
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    png = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "p.png", [("r", ["reward/mean"]), ("kl", ["mismatch/kl_k3"])])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
