@@ -58,3 +58,13 @@ def test_quickstart_tiny(tmp_path):
     rows = [r for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 + 3  # 2 steps + evals at steps 0, 1, 2
     assert 0.0 <= summary["eval_accuracy_after_rl"] <= 1.0 and summary["mismatch_kl_k3_mean"] >= 0.0
+
+
+def test_bench_train_tiny(tmp_path):
+    """BF16 vs FP8 training step timing runs end to end and reports a bounded gradient disagreement."""
+    bench = _load("bench_train")
+    out = tmp_path / "train.json"
+    res = bench.main(bench.BenchConfig(model=tiny_qwen3, batch=2, seq_len=16, warmup=1, repeats=1, remat=False, out=out))
+    assert out.exists() and set(res["runs"]) == {"bf16", "fp8"}
+    assert all(r["step_ms_median"] > 0 for r in res["runs"].values())
+    assert 0.0 < res["grad_rel_err_fp8_vs_bf16"] < 0.5  # FP8 differs from BF16, but not wildly
