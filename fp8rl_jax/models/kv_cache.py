@@ -26,10 +26,13 @@ Read path (``PagedKVCache.kernels``, a static field, ``Kernels.AUTO`` by default
 (T == 1) runs the Pallas paged-attention kernel (``pallas_kernels.paged_attention``) on a GPU
 backend: it reads only the pages below each row's length, applies the FP8 scales in-kernel and
 keeps logits, softmax and PV in float32 (power-of-two page sizes and head dims >= 16; other
-shapes keep the reference under AUTO). Elsewhere, and for T > 1 (prefill, recompute), the pure-jnp reference
-gathers the row's pages and runs ``dot_attention``: CPU results are exactly the reference's.
-``Kernels.PALLAS`` forces the kernel for decode (interpret mode off the GPU: tests);
-``Kernels.REFERENCE`` never uses it.
+shapes keep the reference under AUTO). A prefill or recompute chunk (T > 1) runs, under the same
+rule, the Pallas prefill kernel (``pallas_kernels.prefill_attention``): flash-attention over the
+row's pages with causal masking from ``lengths``, only the pages below each row's valid end read,
+FP8 scales in-kernel, online softmax in float32 (its padded query rows are zero). Elsewhere the
+pure-jnp reference gathers the row's pages and runs ``dot_attention``: CPU results are exactly
+the reference's. ``Kernels.PALLAS`` forces the kernels (interpret mode off the GPU: tests);
+``Kernels.REFERENCE`` never uses them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from flax import struct
 from fp8rl_jax.models.attention import dot_attention
 from fp8rl_jax.quant.fp8 import saturating_cast
 from pallas_kernels import paged_attention as paged_kernel
+from pallas_kernels import prefill_attention as prefill_kernel
 
 if TYPE_CHECKING:
     from fp8rl_jax.quant.policy import Kernels
@@ -174,6 +178,17 @@ class PagedKVCache:
             return False
         return kernels is Kernels.PALLAS or paged_kernel.supports(self.page_size, head_dim)
 
+    def _prefill_kernel(self, T: int, head_dim: int) -> bool:
+        """Whether this attend runs the Pallas prefill kernel (static; same rule as decode, T > 1)."""
+        from fp8rl_jax.quant.policy import Kernels
+
+        kernels = Kernels.AUTO if self.kernels is None else self.kernels
+        if not isinstance(kernels, Kernels):
+            raise ValueError(f"PagedKVCache.kernels must be a Kernels or None, got {kernels!r}")
+        if T <= 1 or not kernels.pallas():
+            return False
+        return kernels is Kernels.PALLAS or prefill_kernel.supports(self.page_size, head_dim)
+
     def attend(self, layer: int, q, k, v, num_new) -> tuple[jax.Array, "PagedKVCache"]:
         B, T = q.shape[:2]
         ps, max_pages = self.page_size, self.page_table.shape[1]
@@ -196,6 +211,12 @@ class PagedKVCache:
             ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.is_fp8 else (one, one)
             out = paged_kernel.paged_attention(q[:, 0], kp, vp, ks, vs, self.page_table, self.lengths + 1)
             return out[:, None], new
+        if self._prefill_kernel(T, H):
+            # reads keys j < lengths[b] + num_new[b] (written above), query t seeing j <= lengths[b] + t
+            one = jnp.float32(1.0)
+            ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.is_fp8 else (one, one)
+            out = prefill_kernel.prefill_attention(q, kp, vp, ks, vs, self.page_table, self.lengths, num_new)
+            return out, new
         kg = self._load(kp[self.page_table], self.k_scale[layer], q.dtype).reshape(B, max_pages * ps, K, H)
         vg = self._load(vp[self.page_table], self.v_scale[layer], q.dtype).reshape(B, max_pages * ps, K, H)
         out = dot_attention(q, kg, vg, _decode_mask(self.lengths, T, max_pages * ps))
