@@ -14,6 +14,11 @@ Two entry points share every layer:
 Precision is injected: each linear layer calls the ``MatmulPolicy`` with its ``Site``. Norms,
 RoPE, softmax and the router softmax run in float32 and cast back, following HF's numerics.
 
+MoE routing replay: ``forward_with_routing`` also returns the experts every token chose
+(``[B, T, L_moe, k]`` int32), and ``forward(..., routing=...)`` sends the tokens through given
+experts instead of the router's top-k, with the gate weights still taken from the router's
+softmax (design note in ``forward_with_routing``). With ``routing=None`` nothing changes.
+
 The pure-function API at the bottom (``init_params``, ``abstract_params``, ``forward``) is what
 the rest of the stack uses: parameters are an ``nnx.State`` pytree; the graph definition is
 derived from (config, policy) and cached.
@@ -123,7 +128,17 @@ class Experts(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Softmax router, top-k (optionally renormalized), sort-and-segment grouped expert matmuls."""
+    """Softmax router, top-k (optionally renormalized), sort-and-segment grouped expert matmuls.
+
+    Routing replay (``apply``): ``replay`` [B, T, k] int32 expert ids replace the router's top-k
+    for the tokens where they are valid (k distinct ids in ``[0, E)``); elsewhere (padding, ``-1``
+    = "not recorded", malformed rows) the router's own top-k decides. The router softmax always
+    runs, and the gate weights are the router probabilities *of the selected experts*,
+    renormalized over them when ``norm_topk_prob`` (HF's top-k renormalization applied to the
+    replayed set), so the gradient reaches the router exactly as it would had top-k picked them.
+    The ids are used in the order given (the recording order is top-k's, descending), which keeps
+    a replay of the model's own choices bitwise identical to no replay.
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int, policy: MatmulPolicy, *, param_dtype: Any, rngs: nnx.Rngs):
         D, E = cfg.hidden_size, cfg.num_experts
@@ -133,13 +148,34 @@ class MoE(nnx.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.num_experts = E
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        B, T, D = x.shape
-        xf = x.reshape(B * T, D)
+    def route(self, xf: jax.Array, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Gate weights [M, k] float32 and expert ids [M, k] int32 of tokens ``xf`` [M, D];
+        ``replay`` [M, k] int32 (optional) overrides top-k on its valid rows (class docstring)."""
         probs = jax.nn.softmax(self.gate(xf).astype(jnp.float32), axis=-1)  # [M, E]
         weights, experts = jax.lax.top_k(probs, self.top_k)  # [M, k]
+        experts = experts.astype(jnp.int32)
+        if replay is not None:
+            replay = replay.astype(jnp.int32)
+            ordered = jnp.sort(replay, axis=-1)
+            valid = (jnp.all((replay >= 0) & (replay < self.num_experts), axis=-1)
+                     & jnp.all(ordered[:, 1:] != ordered[:, :-1], axis=-1))
+            experts = jnp.where(valid[:, None], replay, experts)
+            weights = jnp.take_along_axis(probs, experts, axis=-1)
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights, experts
+
+    def apply(self, x: jax.Array, replay: jax.Array | None = None, token_mask: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array]:
+        """``(y [B, T, D], experts [B, T, k] int32)``: the block's output and the experts each
+        token used (``-1`` where ``token_mask`` [B, T] is false: padding chose nothing worth
+        recording). ``replay`` [B, T, k]: see the class docstring."""
+        B, T, D = x.shape
+        if replay is not None and replay.shape != (B, T, self.top_k):
+            raise ValueError(f"routing replay for this MoE layer must have shape [B, T, top_k] = "
+                             f"{(B, T, self.top_k)}, got {replay.shape}")
+        xf = x.reshape(B * T, D)
+        weights, experts = self.route(xf, None if replay is None else replay.reshape(B * T, self.top_k))
         flat = experts.reshape(-1)  # [M * k], assignment a belongs to token a // k
         order = jnp.argsort(flat, stable=True)
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
@@ -148,7 +184,13 @@ class MoE(nnx.Module):
         y = y_sorted[inverse].reshape(B * T, self.top_k, D)
         out = jnp.einsum("mkd,mk->md", y, weights.astype(x.dtype), precision=matmul_precision(x.dtype),
                          preferred_element_type=jnp.float32)
-        return out.astype(x.dtype).reshape(B, T, D)
+        experts = experts.reshape(B, T, self.top_k)
+        if token_mask is not None:
+            experts = jnp.where(token_mask[..., None], experts, -1)
+        return out.astype(x.dtype).reshape(B, T, D), experts
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.apply(x)[0]
 
 
 class DecoderLayer(nnx.Module):
@@ -163,9 +205,20 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, layer, policy, **kw)
 
     def __call__(self, x, cos, sin, mask, cache, num_new):
+        x, cache, _ = self.routed(x, cos, sin, mask, cache, num_new)
+        return x, cache
+
+    def routed(self, x, cos, sin, mask, cache, num_new, replay=None, token_mask=None):
+        """``__call__`` that also returns the experts of an MoE layer ([B, T, k] int32; None for a
+        dense MLP) and replays ``replay`` [B, T, k] (``MoE.apply``)."""
         a, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, num_new)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            y, experts = self.mlp.apply(h, replay, token_mask)
+        else:
+            y, experts = self.mlp(h), None
+        return x + y, cache, experts
 
 
 class Embed(nnx.Module):
@@ -176,16 +229,18 @@ class Embed(nnx.Module):
         return jnp.take(self.weight[...], tokens, axis=0).astype(dtype)
 
 
-def _remat_layer(layer: DecoderLayer, x, cos, sin, mask) -> jax.Array:
-    """``layer`` on the full sequence under ``jax.checkpoint``: its activations are recomputed
-    in the backward pass instead of being stored (the layer's weights enter as explicit inputs)."""
+def _remat_layer(layer: DecoderLayer, x, cos, sin, mask, replay=None, token_mask=None):
+    """``layer.routed`` on the full sequence under ``jax.checkpoint``: its activations are
+    recomputed in the backward pass instead of being stored (the layer's weights enter as
+    explicit inputs). Returns ``(x, experts)``."""
     gdef, state = nnx.split(layer)
 
     @jax.checkpoint
-    def run(state, x, cos, sin, mask):
-        return nnx.merge(gdef, state)(x, cos, sin, mask, None, None)[0]
+    def run(state, x, cos, sin, mask, replay, token_mask):
+        y, _, experts = nnx.merge(gdef, state).routed(x, cos, sin, mask, None, None, replay, token_mask)
+        return y, experts
 
-    return run(state, x, cos, sin, mask)
+    return run(state, x, cos, sin, mask, replay, token_mask)
 
 
 class Qwen3(nnx.Module):
@@ -218,6 +273,7 @@ class Qwen3(nnx.Module):
         num_new: jax.Array | None = None,
         *,
         remat: bool = False,
+        routing: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
         """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache.
 
@@ -227,7 +283,27 @@ class Qwen3(nnx.Module):
         ``lengths + 0..T-1``; ``num_new`` [B] (default T) real tokens per row advance the cache.
         ``remat`` (full sequence only) rematerializes each decoder layer in the backward pass
         (``jax.checkpoint`` per layer: only the layer inputs are kept for the gradient).
+        ``routing`` [B, T, L_moe, k] int32 (MoE only, optional): experts to replay per token and
+        MoE layer instead of the router's top-k (``MoE`` docstring; ``-1`` = let the router decide).
         """
+        h, cache, _ = self.hidden_states_and_routing(tokens, positions, attention_mask, cache, num_new, remat=remat,
+                                                     routing=routing)
+        return h, cache
+
+    def hidden_states_and_routing(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        cache: KVCache | PagedKVCache | None = None,
+        num_new: jax.Array | None = None,
+        *,
+        remat: bool = False,
+        routing: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | PagedKVCache | None, jax.Array | None]:
+        """:meth:`hidden_states` plus the experts every token used, ``[B, T, L_moe, k]`` int32 in
+        the order of :func:`moe_layers` (None for a dense model); ``-1`` on padding (positions
+        where ``attention_mask`` is 0, or at/after ``num_new`` in a cached call)."""
         cfg = self.config
         if remat and cache is not None:
             raise ValueError("remat is for full-sequence (training) calls; a cached call has no backward pass")
@@ -236,6 +312,8 @@ class Qwen3(nnx.Module):
         B, T = tokens.shape
         if cache is not None and attention_mask is not None:
             raise ValueError("attention_mask is for full-sequence calls; a cached call uses num_new for padding")
+        if routing is not None:
+            check_routing_shape(routing, cfg, B, T)
         start = 0 if cache is None else cache.lengths[:, None]
         if positions is None:
             positions = start + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -243,15 +321,26 @@ class Qwen3(nnx.Module):
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         mask = causal_mask(T, attention_mask, B) if cache is None else None
         num_new = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.broadcast_to(num_new, (B,))
+        if cache is None:
+            token_mask = None if attention_mask is None else jnp.broadcast_to(attention_mask, (B, T)) != 0
+        else:
+            token_mask = jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]
         x = self.embed_tokens(tokens, self.policy.compute_dtype)
+        chosen, j = [], 0
         for layer in self.layers:
+            replay = None
+            if routing is not None and isinstance(layer.mlp, MoE):
+                replay = routing[:, :, j]
             if remat:
-                x = _remat_layer(layer, x, cos, sin, mask)
+                x, experts = _remat_layer(layer, x, cos, sin, mask, replay, token_mask)
             else:
-                x, cache = layer(x, cos, sin, mask, cache, num_new)
+                x, cache, experts = layer.routed(x, cos, sin, mask, cache, num_new, replay, token_mask)
+            if experts is not None:
+                chosen.append(experts)
+                j += 1
         if cache is not None:
             cache = cache.advance(num_new)
-        return self.norm(x), cache
+        return self.norm(x), cache, (jnp.stack(chosen, axis=2) if chosen else None)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """float32 logits [..., V] from final hidden states."""
@@ -260,8 +349,9 @@ class Qwen3(nnx.Module):
             return self.policy.dot(h, w, Site(None, Proj.LM_HEAD)).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    def __call__(self, tokens, positions=None, attention_mask=None, cache=None, num_new=None, *, remat=False):
-        h, cache = self.hidden_states(tokens, positions, attention_mask, cache, num_new, remat=remat)
+    def __call__(self, tokens, positions=None, attention_mask=None, cache=None, num_new=None, *, remat=False,
+                 routing=None):
+        h, cache = self.hidden_states(tokens, positions, attention_mask, cache, num_new, remat=remat, routing=routing)
         return self.logits(h), cache
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
@@ -315,10 +405,64 @@ def forward(
     cache: KVCache | PagedKVCache | None = None,
     num_new: jax.Array | None = None,
     remat: bool = False,
+    routing: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
     """Pure forward: float32 logits [B, T, V] and the updated cache (None without one).
-    ``remat``: recompute each layer's activations in the backward pass (training memory)."""
-    return bind(params, config, policy)(tokens, positions, attention_mask, cache, num_new, remat=remat)
+    ``remat``: recompute each layer's activations in the backward pass (training memory).
+    ``routing`` [B, T, L_moe, k] int32: MoE routing replay (see :func:`forward_with_routing`);
+    None (the default) routes by the router's top-k. Replay on/off is static under jit (None or
+    an array), so each setting compiles once."""
+    return bind(params, config, policy)(tokens, positions, attention_mask, cache, num_new, remat=remat,
+                                        routing=routing)
+
+
+def forward_with_routing(
+    params: nnx.State,
+    tokens: jax.Array,
+    *,
+    config: ModelConfig,
+    policy: MatmulPolicy = DensePolicy(),
+    positions: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    cache: KVCache | PagedKVCache | None = None,
+    num_new: jax.Array | None = None,
+    remat: bool = False,
+    routing: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | PagedKVCache | None, jax.Array]:
+    """:func:`forward` that also returns the experts each token used: ``(logits, cache, experts)``
+    with ``experts`` [B, T, L_moe, k] int32, ``L_moe = len(moe_layers(config))`` in layer order and
+    the k ids of a token in the router's top-k order (descending probability); ``-1`` on padding
+    (``attention_mask == 0``; cached calls: positions at or after ``num_new``).
+
+    Routing replay design: the generator records ``experts`` while it samples, and the trainer
+    passes them back as ``routing``, so both forwards send every token through the same experts
+    and router disagreement (a top-k flip from a slightly different router input, e.g. FP8
+    rollout vs BF16 trainer) drops out of the train/inference mismatch. The router still runs:
+    the gate weights are its probabilities of the replayed experts (renormalized as HF does when
+    ``norm_topk_prob``), so the router keeps learning. Per token, a replay row that is not k
+    distinct ids in ``[0, E)`` (e.g. ``-1``: not recorded) falls back to the router's top-k. A
+    dense model (no MoE layer) has nothing to record: ValueError."""
+    if not moe_layers(config):
+        raise ValueError("forward_with_routing needs an MoE model; this config has no MoE layer (num_experts = 0)")
+    model = bind(params, config, policy)
+    h, cache, experts = model.hidden_states_and_routing(tokens, positions, attention_mask, cache, num_new,
+                                                        remat=remat, routing=routing)
+    return model.logits(h), cache, experts
+
+
+def moe_layers(config: ModelConfig) -> tuple[int, ...]:
+    """Indices of the MoE decoder layers: axis 2 of a routing array follows this order."""
+    return tuple(i for i in range(config.num_layers) if config.layer_is_moe(i))
+
+
+def check_routing_shape(routing: Any, config: ModelConfig, batch: int, length: int) -> None:
+    """Trace-time check that ``routing`` is an integer ``[B, T, L_moe, k]`` array for ``config``."""
+    want = (batch, length, len(moe_layers(config)), config.num_experts_per_tok)
+    if not moe_layers(config):
+        raise ValueError("routing replay needs an MoE model; this config has no MoE layer (num_experts = 0)")
+    if tuple(jnp.shape(routing)) != want or not jnp.issubdtype(jnp.result_type(routing), jnp.integer):
+        raise ValueError(f"routing must be an integer [B, T, L_moe, top_k] = {want} array, got shape "
+                         f"{tuple(jnp.shape(routing))} dtype {jnp.result_type(routing)}")
 
 
 def count_params(params: nnx.State) -> int:

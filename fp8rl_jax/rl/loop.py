@@ -84,7 +84,9 @@ class Rollout:
         return {"rollout/tokens_per_s": self.generated_tokens / max(self.seconds, 1e-9),
                 "rollout/response_len_mean": float(lengths.mean()), "rollout/response_len_max": float(lengths.max()),
                 "rollout/truncated_frac": float(np.mean([f is not FinishReason.STOP for f in self.batch.finish_reasons])),
-                "rollout/preemptions": float(self.batch.preemptions), "time/rollout_s": self.seconds}
+                "rollout/preemptions": float(self.batch.preemptions), "time/rollout_s": self.seconds,
+                **({} if self.batch.routing is None else
+                   {"rollout/routing_recompute_mismatches": float(self.batch.routing_recompute_mismatches)})}
 
 
 def rollout(generator: Generator, prompt_ids: Sequence[Sequence[int]], *, n_samples: int,
@@ -112,11 +114,13 @@ def score(ro: Rollout, answers: Sequence[str], reward_fn: Callable[[str, str], f
 
 
 def build_batch(ro: Rollout, rewards: np.ndarray, *, estimator: AdvantageEstimator = AdvantageEstimator.GRPO,
-                pad_multiple: int = 32, pad_id: int = 0) -> TrainBatch:
+                pad_multiple: int = 32, pad_id: int = 0, replay_routing: bool = True) -> TrainBatch:
     """The ``TrainBatch`` of a scored rollout: prompt + response tokens right-padded to a multiple of
     ``pad_multiple`` (bounded recompiles), the loss mask on response tokens, token advantages from
     the group outcome rewards, the rollout logprobs at their tokens; ``old_logprobs`` still zero
-    (fill with :func:`with_trainer_logprobs`)."""
+    (fill with :func:`with_trainer_logprobs`). When the generator recorded MoE routing
+    (``RolloutBatch.routing``) and ``replay_routing``, ``routing`` holds it at the same positions
+    (``-1`` on padding), so the trainer's forwards replay the rollout's experts."""
     N = len(ro.prompts)
     if rewards.shape != (N,):
         raise ValueError(f"rewards must have shape [{N}], got {rewards.shape}")
@@ -124,8 +128,8 @@ def build_batch(ro: Rollout, rewards: np.ndarray, *, estimator: AdvantageEstimat
         raise ValueError(f"rewards contain NaN/Inf at samples {np.flatnonzero(~np.isfinite(rewards))[:8].tolist()}")
     resp = ro.batch.token_lists()
     resp_lp = ro.batch.logprob_lists()
-    T = max(len(p) + len(r) for p, r in zip(ro.prompts, resp))
-    T = max(2, math.ceil(T / pad_multiple) * pad_multiple)
+    T_real = max(len(p) + len(r) for p, r in zip(ro.prompts, resp))
+    T = max(2, math.ceil(T_real / pad_multiple) * pad_multiple)
     tokens = np.full((N, T), pad_id, np.int32)
     mask = np.zeros((N, T), np.float32)
     rollout_lp = np.zeros((N, T), np.float32)
@@ -135,15 +139,30 @@ def build_batch(ro: Rollout, rewards: np.ndarray, *, estimator: AdvantageEstimat
         mask[i, len(p) : len(p) + len(r)] = 1.0
         rollout_lp[i, len(p) : len(p) + len(r)] = lp
     adv, _ = compute_advantages(estimator, jnp.asarray(rewards), jnp.asarray(mask), group_ids=jnp.asarray(ro.group_ids))
+    routing = None
+    if replay_routing and ro.batch.routing is not None:
+        src = np.asarray(ro.batch.routing)
+        if src.ndim != 4 or src.shape[0] != N or src.shape[1] < T_real:
+            raise ValueError(f"RolloutBatch.routing must be [N, S, L_moe, k] with N = {N} and S >= {T_real} "
+                             f"(longest prompt + response), got shape {src.shape}")
+        routing = np.full((N, T, *src.shape[2:]), -1, np.int32)
+        for i, (p, r) in enumerate(zip(ro.prompts, resp)):
+            routing[i, : len(p) + len(r)] = src[i, : len(p) + len(r)]
+        routing = jnp.asarray(routing)
     return TrainBatch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask), advantages=adv,
-                      old_logprobs=jnp.zeros((N, T), jnp.float32), rollout_logprobs=jnp.asarray(rollout_lp))
+                      old_logprobs=jnp.zeros((N, T), jnp.float32), rollout_logprobs=jnp.asarray(rollout_lp),
+                      routing=routing)
 
 
 def with_trainer_logprobs(batch: TrainBatch, logprob_fn: Callable[[Any, jax.Array], jax.Array], params: Any) -> TrainBatch:
     """``old_logprobs`` = the trainer's logprobs of the batch under ``params`` (the policy that
     generated it, in training precision): the PPO ratio's denominator; the correction compares
-    it with the rollout logprobs."""
-    old = logprob_fn(params, batch.tokens)
+    it with the rollout logprobs. With ``batch.routing`` (MoE routing replay) it is passed as
+    ``logprob_fn(params, tokens, routing=...)`` (``trainer.make_logprob_fn`` accepts it)."""
+    if batch.routing is None:
+        old = logprob_fn(params, batch.tokens)
+    else:
+        old = logprob_fn(params, batch.tokens, routing=batch.routing)
     return batch.replace(old_logprobs=jnp.where(batch.loss_mask != 0, old, 0.0))
 
 

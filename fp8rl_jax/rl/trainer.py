@@ -42,7 +42,15 @@ Design notes
 * **Weight decay** (decoupled, AdamW) applies to matrices only (``ndim >= 2``: linear weights,
   embeddings, experts), not to the RMSNorm gains.
 
-Not here yet: a value head for PPO + GAE (GRPO/DAPO need none), MoE routing replay,
+* **MoE routing replay.** ``TrainBatch.routing`` (``[B, T, L_moe, k]`` int32, recorded by the
+  generator, ``-1`` = not recorded) makes every trainer forward of the batch (``old_logprobs``
+  via :func:`trainer_logprobs` and the loss) send each token through the experts the rollout
+  chose; the router's softmax still weights them and receives the gradient
+  (``fp8rl_jax.models.qwen3.forward_with_routing``). Router disagreement (top-k flips between
+  FP8 rollout and BF16 trainer) then no longer adds to the mismatch the correction must absorb.
+  ``routing=None`` (the default) routes by top-k as before.
+
+Not here yet: a value head for PPO + GAE (GRPO/DAPO need none),
 chunking the vocabulary projection over ``T`` for long sequences.
 """
 
@@ -293,6 +301,10 @@ class TrainBatch:
       rollout_logprobs: [B, T] float, the generator's logprobs of the same tokens (FP8 rollout),
         for the rollout correction and the mismatch metrics.
       ref_logprobs: [B, T] float or None, reference-policy logprobs for the KL penalty.
+      routing: [B, T, L_moe, k] int32 or None: MoE routing replay, the experts the generator chose
+        for ``tokens[b, t]`` in each MoE layer (``RolloutBatch.routing``, aligned by
+        ``loop.build_batch``); ``-1`` (padding, unrecorded) lets the router's top-k decide. None
+        (the default) routes by top-k.
     """
 
     tokens: Array
@@ -301,6 +313,7 @@ class TrainBatch:
     old_logprobs: Array
     rollout_logprobs: Array
     ref_logprobs: Array | None = None
+    routing: Array | None = None
 
 
 def check_batch(batch: TrainBatch, micro_batches: int = 1) -> tuple[int, int]:
@@ -316,6 +329,12 @@ def check_batch(batch: TrainBatch, micro_batches: int = 1) -> tuple[int, int]:
         raise ValueError(f"tokens need T >= 2 (position 0 has no logprob), got T = {T}")
     for f in dataclasses.fields(batch):
         x = getattr(batch, f.name)
+        if f.name == "routing" and x is not None:
+            if len(jnp.shape(x)) != 4 or jnp.shape(x)[:2] != shape or not jnp.issubdtype(jnp.result_type(x),
+                                                                                          jnp.integer):
+                raise ValueError(f"TrainBatch.routing must be an integer [B, T, L_moe, top_k] array with "
+                                 f"[B, T] = {shape}, got shape {jnp.shape(x)} dtype {jnp.result_type(x)}")
+            continue
         if f.name != "tokens" and x is not None and jnp.shape(x) != shape:
             raise ValueError(f"TrainBatch.{f.name} has shape {jnp.shape(x)}, expected [B, T] = {shape} like tokens")
     if B % micro_batches:
@@ -327,12 +346,14 @@ def check_batch(batch: TrainBatch, micro_batches: int = 1) -> tuple[int, int]:
 
 
 def token_logprobs(params: nnx.State, tokens: Array, *, config: ModelConfig, policy: MatmulPolicy,
-                   with_entropy: bool = False, remat: bool = False) -> tuple[Array, Array | None]:
+                   with_entropy: bool = False, remat: bool = False, routing: Array | None = None
+                   ) -> tuple[Array, Array | None]:
     """``(logp, entropy)``: ``logp[b, t] = log p(tokens[b, t] | tokens[b, :t])`` ``[B, T]`` float32
     from one full-sequence forward, ``logp[:, 0] = 0``; ``entropy[b, t]`` is the entropy of the
     distribution that predicts position ``t`` (None unless ``with_entropy``). ``params`` are used
-    as given (cast them first for BF16 compute, as :func:`trainer_logprobs` does)."""
-    logits, _ = forward(params, tokens, config=config, policy=policy, remat=remat)
+    as given (cast them first for BF16 compute, as :func:`trainer_logprobs` does). ``routing``
+    [B, T, L_moe, k] int32 replays MoE expert choices (``TrainBatch.routing``)."""
+    logits, _ = forward(params, tokens, config=config, policy=policy, remat=remat, routing=routing)
     z = logits[:, :-1].astype(jnp.float32)  # [B, T-1, V]: position t-1 predicts token t
     target = jnp.take_along_axis(z, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
     logp = target - jax.nn.logsumexp(z, axis=-1)
@@ -360,10 +381,10 @@ def _check_static(params: nnx.State, policy: MatmulPolicy, cfg: TrainerConfig) -
 
 
 def trainer_logprobs(params: nnx.State, tokens: Array, *, model_config: ModelConfig, policy: MatmulPolicy,
-                     trainer_config: TrainerConfig) -> Array:
+                     trainer_config: TrainerConfig, routing: Array | None = None) -> Array:
     """``[B, T]`` trainer-side logprobs with the loss's exact numerics (same parameter cast,
     same micro-batch shapes): what ``TrainBatch.old_logprobs`` should hold, so that the first
-    update on a fresh rollout starts at ratio 1."""
+    update on a fresh rollout starts at ratio 1. ``routing``: ``TrainBatch.routing`` (replay)."""
     _check_static(params, policy, trainer_config)
     if jnp.ndim(tokens) != 2:
         raise ValueError(f"tokens must have shape [B, T], got {jnp.shape(tokens)}")
@@ -373,7 +394,14 @@ def trainer_logprobs(params: nnx.State, tokens: Array, *, model_config: ModelCon
         raise ValueError(f"micro_batches = {M} does not divide the batch size B = {B}")
     p = _compute_params(params, trainer_config)
     fn = functools.partial(token_logprobs, config=model_config, policy=policy)
-    logp = jax.lax.map(lambda t: fn(p, t)[0], tokens.reshape(M, B // M, T))
+    if routing is None:
+        logp = jax.lax.map(lambda t: fn(p, t)[0], tokens.reshape(M, B // M, T))
+    else:
+        if jnp.ndim(routing) != 4 or jnp.shape(routing)[:2] != (B, T):
+            raise ValueError(f"routing must have shape [B, T, L_moe, top_k] with [B, T] = {(B, T)}, "
+                             f"got {jnp.shape(routing)}")
+        logp = jax.lax.map(lambda tr: fn(p, tr[0], routing=tr[1])[0],
+                           (tokens.reshape(M, B // M, T), routing.reshape(M, B // M, *jnp.shape(routing)[1:])))
     return logp.reshape(B, T)
 
 
@@ -402,7 +430,8 @@ def _micro_loss(params, batch: TrainBatch, weights: Array, denominator: Array, *
     m = _loss_mask(batch.loss_mask)
     with_entropy = bool(lc.entropy_coef) or lc.entropy_metric
     logp, ent = token_logprobs(_compute_params(params, trainer_config), batch.tokens, config=model_config,
-                               policy=policy, with_entropy=with_entropy, remat=trainer_config.remat)
+                               policy=policy, with_entropy=with_entropy, remat=trainer_config.remat,
+                               routing=batch.routing)
     pg, pm = policy_loss(logp, batch.old_logprobs, batch.advantages, m, clip_low=lc.clip_low,
                          clip_high=lc.clip_high, dual_clip=lc.dual_clip, agg=lc.agg, weights=weights,
                          denominator=denominator)
@@ -536,8 +565,9 @@ def make_train_step(model_config: ModelConfig, policy: MatmulPolicy, trainer_con
 
 
 def make_logprob_fn(model_config: ModelConfig, policy: MatmulPolicy, trainer_config: TrainerConfig
-                    ) -> Callable[[nnx.State, Array], Array]:
-    """Jitted :func:`trainer_logprobs` ``(params, tokens) -> [B, T]`` (for ``old_logprobs``)."""
+                    ) -> Callable[..., Array]:
+    """Jitted :func:`trainer_logprobs` ``(params, tokens, routing=None) -> [B, T]`` (for
+    ``old_logprobs``; ``routing`` replays MoE expert choices)."""
     return jax.jit(functools.partial(trainer_logprobs, model_config=model_config, policy=policy,
                                      trainer_config=trainer_config))
 

@@ -34,6 +34,15 @@ class RolloutBatch:
       finish_reasons: N FinishReason values.
       preemptions: how many times a running sequence was preempted (its KV pages freed and
         later recomputed) during this call; the tokens do not depend on it.
+      routing: [N, S, L_moe, k] int32 or None (the default; set by a generator asked to record
+        MoE routing, e.g. ``EngineConfig.record_routing``): the experts chosen at every position
+        of prompt + response, ``S = max(len(prompt_i) + lengths[i])``; position ``j`` of row ``i``
+        is ``prompt_i[j]`` for ``j < len(prompt_i)``, else ``tokens[i, j - len(prompt_i)]``. Axis
+        2 follows ``fp8rl_jax.models.qwen3.moe_layers``, axis 3 the router's top-k order. ``-1``
+        where nothing was recorded (padding, and the last generated token, which the generator
+        never feeds back). The trainer replays it (``TrainBatch.routing``).
+      routing_recompute_mismatches: positions whose recomputed prefill after a preemption chose
+        other experts than first recorded (the first recording is kept); 0 without recording.
     """
 
     tokens: np.ndarray
@@ -41,6 +50,8 @@ class RolloutBatch:
     lengths: np.ndarray
     finish_reasons: list[FinishReason]
     preemptions: int = 0
+    routing: np.ndarray | None = None
+    routing_recompute_mismatches: int = 0
 
     def token_lists(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]

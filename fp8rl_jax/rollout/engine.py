@@ -24,6 +24,16 @@ Design:
   params over the first prompts of that call) or trainer-side (``KvCalibration.TRAINER``: the
   trainer calls ``calibrate_kv_scales`` on its calibration batch and ``set_kv_scales``; until it
   does, ``generate`` refuses to run). Stale scales cannot be used.
+- MoE routing replay (``record_routing``): every forward that feeds a token through the model
+  also returns the experts it chose ([rows, T, L_moe, k] int32, ``forward_with_routing``), and
+  the host keeps them per request position: the first time a position runs through the model
+  (prompt positions in the prefill, each generated token when it is fed back in the decode) its
+  choices are recorded. A preempted sequence's recompute prefill runs those positions again;
+  the first recording is kept (it is what the logprobs sampled before the preemption saw) and
+  each disagreement of the recompute is counted in ``RolloutBatch.routing_recompute_mismatches``
+  (prefill and decode are different computations, so in BF16/FP8 a near-tie can flip; in float32
+  they agree). The last generated token is never fed back, so it has no recording (-1): its
+  output predicts nothing the trainer uses.
 - Bad input (empty prompt, ids outside the vocabulary, a prompt that cannot fit, bad sampling
   settings) raises ``ValueError`` naming the request before anything runs.
 """
@@ -42,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.models import DensePolicy, Fp8Mode, ModelConfig, PagedKVCache, calibrate_kv_scales, forward
+from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
@@ -75,6 +86,9 @@ class EngineConfig:
       kv_calibration: where FP8 KV scales come from after a weight update.
       kv_calibration_prompts: prompts used by inference-side calibration.
       kv_percentile, kv_margin: scale = percentile(|x|) * margin / 448.
+      record_routing: MoE models only: record the experts chosen at every prompt and generated
+        position and return them as ``RolloutBatch.routing`` for routing replay in the trainer
+        (off by default: it costs a [rows, T, L_moe, k] int32 transfer per device call).
     """
 
     max_slots: int = 32
@@ -91,6 +105,7 @@ class EngineConfig:
     kv_calibration_prompts: int = 16
     kv_percentile: float = 99.9
     kv_margin: float = 1.05
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -119,6 +134,8 @@ class _Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish: FinishReason | None = None
+    routing: list[np.ndarray] = dataclasses.field(default_factory=list)  # [n, L_moe, k] chunks, by position
+    routed: int = 0  # positions recorded so far (0..routed-1)
 
     @property
     def context(self) -> list[int]:
@@ -144,9 +161,14 @@ class JaxEngine:
         self.max_pages = math.ceil(self.max_seq_len / config.page_size)
         self.cache = PagedKVCache.init(cfg.num_layers, self.num_pages, config.page_size, cfg.num_kv_heads,
                                        cfg.head_dim, config.max_slots, self.max_pages, kv_dtype)
+        if config.record_routing and not moe_layers(model_config):
+            raise ValueError("EngineConfig.record_routing needs an MoE model; this config has no MoE layer "
+                             "(num_experts = 0)")
         self.params = None
         self.update_weights(params)
-        self._static = dict(model_config=model_config, policy=self.policy, max_seq_len=self.max_seq_len)
+        self._static = dict(model_config=model_config, policy=self.policy, max_seq_len=self.max_seq_len,
+                            record_routing=config.record_routing)
+        self._routing_mismatches = 0
 
     # ----------------------------------------------------------------------- public interface
 
@@ -202,8 +224,20 @@ class JaxEngine:
         for i, r in enumerate(requests):
             tokens[i, : len(r.generated)] = r.generated
             logprobs[i, : len(r.generated)] = r.logprobs
+        routing = self._routing_array(requests) if self.config.record_routing else None
         return RolloutBatch(tokens, logprobs, np.array([len(r.generated) for r in requests], np.int32),
-                            [r.finish for r in requests], self._preemptions)
+                            [r.finish for r in requests], self._preemptions, routing=routing,
+                            routing_recompute_mismatches=self._routing_mismatches)
+
+    def _routing_array(self, requests: list[_Request]) -> np.ndarray:
+        """[N, S, L_moe, k] int32 over prompt + generated positions, -1 where nothing was recorded."""
+        L, k = len(moe_layers(self.model_config)), self.model_config.num_experts_per_tok
+        S = max(len(r.context) for r in requests)
+        out = np.full((len(requests), S, L, k), -1, np.int32)
+        for i, r in enumerate(requests):
+            if r.routed:
+                out[i, : r.routed] = np.concatenate(r.routing, axis=0)
+        return out
 
     # ----------------------------------------------------------------------- validation
 
@@ -242,6 +276,7 @@ class JaxEngine:
         B, ps = self.config.max_slots, self.config.page_size
         queue = collections.deque(requests)
         self._preemptions = 0
+        self._routing_mismatches = 0
         slots: list[_Request | None] = [None] * B
         pages: list[list[int]] = [[] for _ in range(B)]
         free = list(range(self.num_pages - 1, -1, -1))
@@ -340,12 +375,25 @@ class JaxEngine:
             lengths[s] = 0
         sampling, stops, remaining = self._slot_arrays(reqs + [None] * (P - len(reqs)))
         self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
-        tok, lp, code, self.cache = _prefill(self.params, self.cache, jnp.asarray(slot_ids), jnp.asarray(tokens),
-                                             jnp.asarray(num_new), sampling, stops, remaining, **self._static)
+        tok, lp, code, self.cache, routing = _prefill(self.params, self.cache, jnp.asarray(slot_ids),
+                                                      jnp.asarray(tokens), jnp.asarray(num_new), sampling, stops,
+                                                      remaining, **self._static)
         tok, lp, code = np.asarray(tok), np.asarray(lp), np.asarray(code)
+        routing = None if routing is None else np.asarray(routing)
         for i, (s, r) in enumerate(zip(group, reqs)):
             lengths[s] = num_new[i]
+            if routing is not None:
+                self._record_prefill(r, routing[i, : num_new[i]])
             self._append(r, int(tok[i]), float(lp[i]), int(code[i]))
+
+    def _record_prefill(self, r: _Request, experts: np.ndarray) -> None:
+        """Records the prefill's choices [len(context), L_moe, k] for the positions not yet recorded;
+        on a recompute, counts the already-recorded positions where it chose differently."""
+        if r.routed:
+            first = np.concatenate(r.routing, axis=0)
+            self._routing_mismatches += int(np.any(first != experts[: r.routed], axis=(1, 2)).sum())
+        r.routing.append(experts[r.routed :])
+        r.routed = experts.shape[0]
 
     def _decode_chunk(self, slots, page_table, lengths) -> None:
         B, steps = self.config.max_slots, self.config.steps_per_call
@@ -354,9 +402,11 @@ class JaxEngine:
         last = np.array([r.context[-1] if r is not None else 0 for r in reqs], np.int32)
         active = np.array([r is not None for r in reqs])
         self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
-        toks, lps, codes, self.cache = _decode(self.params, self.cache, jnp.asarray(last), jnp.asarray(active),
-                                               sampling, stops, remaining, steps=steps, **self._static)
+        toks, lps, codes, self.cache, routing = _decode(self.params, self.cache, jnp.asarray(last),
+                                                        jnp.asarray(active), sampling, stops, remaining, steps=steps,
+                                                        **self._static)
         toks, lps, codes = np.asarray(toks), np.asarray(lps), np.asarray(codes)
+        routing = None if routing is None else np.asarray(routing)
         for s in range(B):
             r = reqs[s]
             if r is None:
@@ -364,6 +414,10 @@ class JaxEngine:
             for j in range(steps):
                 if r.finish is not None:
                     break
+                if routing is not None:  # step j fed the last context token, position len(context) - 1
+                    assert r.routed == len(r.context) - 1, (r.index, r.routed, len(r.context))
+                    r.routing.append(routing[s, j][None])
+                    r.routed += 1
                 self._append(r, int(toks[s, j]), float(lps[s, j]), int(codes[s, j]))
                 lengths[s] += 1
 
@@ -389,36 +443,57 @@ def _finish_code(tok, stops, remaining, lengths, max_seq_len: int):
     return jnp.where(is_stop, 1, jnp.where(remaining <= 1, 2, jnp.where(lengths + 1 >= max_seq_len, 3, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "policy", "max_seq_len"), donate_argnums=(1,))
+def _forward(params, tokens, *, model_config, policy, cache, num_new, record_routing):
+    """The cached forward; ``(logits, cache, experts or None)``."""
+    if record_routing:
+        return forward_with_routing(params, tokens, config=model_config, policy=policy, cache=cache, num_new=num_new)
+    logits, cache = forward(params, tokens, config=model_config, policy=policy, cache=cache, num_new=num_new)
+    return logits, cache, None
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "policy", "max_seq_len", "record_routing"),
+                   donate_argnums=(1,))
 def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remaining, *, model_config, policy,
-             max_seq_len):
-    """Prefills rows ``slot_ids`` (out of range for padding rows) and samples their next token."""
+             max_seq_len, record_routing=False):
+    """Prefills rows ``slot_ids`` (out of range for padding rows) and samples their next token;
+    with ``record_routing`` also returns the experts of every prefilled position [P, T, L_moe, k]."""
     view = cache.replace(page_table=jnp.take(cache.page_table, slot_ids, axis=0, mode="clip"),
                          lengths=jnp.zeros_like(slot_ids))
-    logits, view = forward(params, tokens, config=model_config, policy=policy, cache=view, num_new=num_new)
+    logits, view, experts = _forward(params, tokens, model_config=model_config, policy=policy, cache=view,
+                                     num_new=num_new, record_routing=record_routing)
     last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     tok, lp = sample(last, sampling, row_keys(sampling.seed, num_new))
     code = _finish_code(tok, stops, remaining, num_new, max_seq_len)
     cache = cache.replace(k_pages=view.k_pages, v_pages=view.v_pages,
                           lengths=cache.lengths.at[slot_ids].set(view.lengths, mode="drop"))
-    return tok, lp, code, cache
+    return tok, lp, code, cache, experts
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "model_config", "policy", "max_seq_len"), donate_argnums=(1,))
-def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, model_config, policy, max_seq_len):
-    """``steps`` decode steps for every slot; finished or empty slots write nothing."""
+@functools.partial(jax.jit, static_argnames=("steps", "model_config", "policy", "max_seq_len", "record_routing"),
+                   donate_argnums=(1,))
+def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, model_config, policy, max_seq_len,
+            record_routing=False):
+    """``steps`` decode steps for every slot; finished or empty slots write nothing. With
+    ``record_routing`` also returns the experts of the token each step fed in [B, steps, L_moe, k]."""
     B = last.shape[0]
 
     def step(j, carry):
-        cache, last, active, remaining, out_tok, out_lp, out_code = carry
-        logits, cache = forward(params, last[:, None], config=model_config, policy=policy, cache=cache,
-                                num_new=active.astype(jnp.int32))
+        cache, last, active, remaining, out_tok, out_lp, out_code, out_routing = carry
+        logits, cache, experts = _forward(params, last[:, None], model_config=model_config, policy=policy,
+                                          cache=cache, num_new=active.astype(jnp.int32),
+                                          record_routing=record_routing)
         tok, lp = sample(logits[:, 0], sampling, row_keys(sampling.seed, cache.lengths))
         code = jnp.where(active, _finish_code(tok, stops, remaining, cache.lengths, max_seq_len), 0)
+        if record_routing:
+            out_routing = out_routing.at[:, j].set(experts[:, 0])
         return (cache, jnp.where(active, tok, last), active & (code == 0), remaining - active,
-                out_tok.at[:, j].set(tok), out_lp.at[:, j].set(lp), out_code.at[:, j].set(code))
+                out_tok.at[:, j].set(tok), out_lp.at[:, j].set(lp), out_code.at[:, j].set(code), out_routing)
 
     zeros = jnp.zeros((B, steps), jnp.int32)
-    carry = (cache, last, active, remaining, zeros, jnp.zeros((B, steps), jnp.float32), zeros)
-    cache, _, _, _, out_tok, out_lp, out_code = jax.lax.fori_loop(0, steps, step, carry)
-    return out_tok, out_lp, out_code, cache
+    out_routing = None
+    if record_routing:
+        L, k = len(moe_layers(model_config)), model_config.num_experts_per_tok
+        out_routing = jnp.full((B, steps, L, k), -1, jnp.int32)
+    carry = (cache, last, active, remaining, zeros, jnp.zeros((B, steps), jnp.float32), zeros, out_routing)
+    cache, _, _, _, out_tok, out_lp, out_code, out_routing = jax.lax.fori_loop(0, steps, step, carry)
+    return out_tok, out_lp, out_code, cache, out_routing
