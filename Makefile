@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/python experiments/quickstart.py
 
 test: $(VENV)/.installed $(REF)/.installed
-	FP8RL_REF_PYTHON=$(abspath $(REF))/bin/python $(VENV)/bin/python -m pytest -q tests
+	FP8RL_REF_PYTHON=$(abspath $(REF))/bin/python $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) $(REF) runs

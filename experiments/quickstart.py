@@ -137,6 +137,8 @@ def main(config: QuickstartConfig = QuickstartConfig(), out: Path = Path("runs/q
         "eval_accuracy_after_rl": final["eval/accuracy"],
         "train_reward_first_step": steps[0]["reward/mean"] if steps else None,
         "train_reward_last_step": steps[-1]["reward/mean"] if steps else None,
+        "train_reward_first_10_mean": float(np.mean([r["reward/mean"] for r in steps[:10]])) if steps else None,
+        "train_reward_last_10_mean": float(np.mean([r["reward/mean"] for r in steps[-10:]])) if steps else None,
         "mismatch_kl_k3_mean": float(np.mean([r["mismatch/kl_k3"] for r in steps if r.get("mismatch/kl_k3") is not None]))
         if steps else None,
         "rollout_tokens_per_s_mean": float(np.mean([r["rollout/tokens_per_s"] for r in steps])) if steps else None,

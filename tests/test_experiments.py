@@ -45,26 +45,11 @@ def test_bench_gemm_says_it_needs_a_gpu(capsys):
     assert "needs a GPU" in capsys.readouterr().out
 
 
-def test_quickstart_tiny(tmp_path):
-    """The README's main job end to end on a few steps: warm-up, FP8 rollouts, updates, eval, plot."""
-    from fp8rl_jax.rl.config import override
-
-    qs = _load("quickstart")
-    cfg = override(qs.QuickstartConfig(), ["rl.data.steps=2", "rl.data.prompts_per_step=4", "rl.rollout.n_samples=4",
-                                           "sft_steps=3", "eval_prompts=8", "rl.data.eval_every=1"])
-    summary = qs.main(cfg, tmp_path)
-    assert summary["rl_steps"] == 2 and summary["precision"] == "all"
-    assert (tmp_path / "quickstart.png").read_bytes()[:4] == b"\x89PNG"
-    rows = [r for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 + 3  # 2 steps + evals at steps 0, 1, 2
-    assert 0.0 <= summary["eval_accuracy_after_rl"] <= 1.0 and summary["mismatch_kl_k3_mean"] >= 0.0
-
-
 def test_bench_train_tiny(tmp_path):
     """BF16 vs FP8 training step timing runs end to end and reports a bounded gradient disagreement."""
     bench = _load("bench_train")
     out = tmp_path / "train.json"
-    res = bench.main(bench.BenchConfig(model=tiny_qwen3, batch=2, seq_len=16, warmup=1, repeats=1, remat=False, out=out))
+    res = bench.main(bench.BenchConfig(model=dataclasses.replace(tiny_qwen3, num_layers=1), batch=2, seq_len=16, warmup=1, repeats=1, remat=False, out=out))
     assert out.exists() and set(res["runs"]) == {"bf16", "fp8"}
     assert all(r["step_ms_median"] > 0 for r in res["runs"].values())
     assert 0.0 < res["grad_rel_err_fp8_vs_bf16"] < 0.5  # FP8 differs from BF16, but not wildly
