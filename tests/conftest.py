@@ -75,6 +75,17 @@ def run_cli_here(capsys, *args: str) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
+def load_experiment(name: str):
+    """The module ``experiments/<name>.py`` (scripts, not a package), registered in sys.modules."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def rel_err(x, ref) -> float:
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))

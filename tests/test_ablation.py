@@ -4,10 +4,7 @@ on a tiny config, and the mismatch attribution agrees with an independent comput
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,15 +14,7 @@ import pytest
 from fp8rl_jax.models import DensePolicy, PagedKVCache, calibrate_kv_scales, forward, init_params
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_params
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_experiment as _load
 
 
 abl = _load("mismatch_ablation")

@@ -21,17 +21,13 @@ from fp8rl_jax.rl import config as rlconfig
 from fp8rl_jax.rl.loop import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+from conftest import load_experiment as _load
+
 EXPERIMENTS = REPO / "experiments"
 AIME24 = REPO.parent / "shared" / "data" / "aime24.jsonl"
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 from configs.models import tiny_qwen3, tiny_qwen3_moe
 from fp8rl_jax.models import Fp8Mode
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_experiment as _load
 
 
 def test_score_demo(tmp_path):

@@ -246,17 +246,19 @@ def _parse(text: str, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: fields of type {tp} cannot be set from the command line")
 
 
-def _set(obj: Any, path: Sequence[str], text: str, where: str) -> Any:
+def _set(obj: Any, path: Sequence[str], value: Any, where: str) -> Any:
+    """``obj`` with the field at ``path`` replaced; a ``str`` value for a field of another type is
+    parsed by the field's declared type (the command-line form); validation errors name ``where``."""
     if not dataclasses.is_dataclass(obj):
         raise ConfigError(f"{where}: {type(obj).__name__} has no fields")
     name = path[0]
     types_ = _field_types(type(obj))
     if name not in types_:
         raise ConfigError(f"{where}: unknown field {name!r}; {type(obj).__name__} has {sorted(types_)}")
-    if len(path) == 1:
-        value = _parse(text, types_[name], where)
-    else:
-        value = _set(getattr(obj, name), path[1:], text, where)
+    if len(path) > 1:
+        value = _set(getattr(obj, name), path[1:], value, where)
+    elif isinstance(value, str) and types_[name] is not str:
+        value = _parse(value, types_[name], where)
     try:
         return dataclasses.replace(obj, **{name: value})
     except ConfigError:
@@ -282,26 +284,8 @@ def sweep(cfg: RLConfig, grid: Mapping[str, Sequence[Any]]) -> Iterator[RLConfig
     for combo in itertools.product(*(grid[k] for k in keys)):
         c = cfg
         for k, v in zip(keys, combo):
-            if isinstance(v, str):
-                c = override(c, [f"{k}={v}"])
-            else:
-                path = k.split(".")
-                c = _replace_path(c, path, v, f"sweep {k}")
+            c = _set(c, k.split("."), v, f"sweep {k}")
         yield c
-
-
-def _replace_path(obj: Any, path: Sequence[str], value: Any, where: str) -> Any:
-    name = path[0]
-    if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
-        raise ConfigError(f"{where}: unknown field {name!r}")
-    if len(path) > 1:
-        value = _replace_path(getattr(obj, name), path[1:], value, where)
-    try:
-        return dataclasses.replace(obj, **{name: value})
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where}: {e}") from None
 
 
 def to_dict(cfg: Any) -> Any:
