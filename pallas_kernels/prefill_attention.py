@@ -83,17 +83,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import resolve_interpret
-from pallas_kernels.paged_attention import chained_ms
 
-_FP8 = jnp.dtype(jnp.float8_e4m3fn)
-_POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), _FP8)
-_Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_MASK_VALUE = float(np.finfo(np.float32).min)
-MIN_ROWS = 16  # smallest M and N of a Triton dot
-
-
-def _pow2(x: int) -> bool:
-    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+# the same pool/query dtypes, mask value, Triton tile minimum (M and N of a dot) and page/head
+# constraints as the decode kernel: both read the one paged cache
+from pallas_kernels.paged_attention import (
+    _FP8,
+    _MASK_VALUE,
+    _POOL_DTYPES,
+    _Q_DTYPES,
+    MIN_ROWS,
+    _pow2,
+    chained_ms,
+    supports,
+)
 
 
 def _next_pow2(x: int) -> int:
@@ -254,11 +256,6 @@ def _prefill_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, length
         name="paged_attention_prefill",
     )(lengths.astype(jnp.int32), num_new.astype(jnp.int32), pt, scales, qg, k_pages, v_pages)
     return out[:, :T, :, :G].reshape(B, T, N, H)
-
-
-def supports(page_size: int, head_dim: int) -> bool:
-    """Whether the kernel takes pools of this page size and head dim (Triton tile constraints)."""
-    return _pow2(page_size) and _pow2(head_dim) and head_dim >= MIN_ROWS
 
 
 def _check_operands(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths, num_new) -> None:
