@@ -41,7 +41,14 @@ from configs.rl import QUICKSTART  # noqa: E402
 from fp8rl_jax.models import init_params  # noqa: E402
 from fp8rl_jax.rl import config as rlconfig  # noqa: E402
 from fp8rl_jax.rl.loop import MetricsLogger, Task, evaluate, make_sft_step, plot_metrics, read_metrics, run  # noqa: E402
-from fp8rl_jax.rl.trainer import init_train_state, make_logprob_fn, make_optimizer, make_train_step  # noqa: E402
+from fp8rl_jax.rl.trainer import (  # noqa: E402
+    init_train_state,
+    make_logprob_fn,
+    make_logprob_value_fn,
+    make_optimizer,
+    make_train_step,
+    with_value_head,
+)
 from fp8rl_jax.rollout.engine import JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
 from fp8rl_jax.tasks import AdditionTask, supervised_batch  # noqa: E402
@@ -107,12 +114,17 @@ def main(config: QuickstartConfig = QuickstartConfig(), out: Path = Path("runs/q
         state, m = sft_step(state, jnp.asarray(tokens), jnp.asarray(mask))
         sft_loss = float(m["loss"])
 
-    # 2. RL: fresh optimizer state on the warmed-up weights
+    # 2. RL: fresh optimizer state on the warmed-up weights (PPO + GAE: plus a zero-initialized value head)
     optimizer = make_optimizer(cfg.optimizer)
-    state = init_train_state(state.params, optimizer, jax.random.key(cfg.seed + 2))
+    model_weights = state.params
+    if cfg.algorithm.uses_value_head:
+        state = init_train_state(with_value_head(model_weights, model_cfg), optimizer, jax.random.key(cfg.seed + 2))
+        logprob_fn = make_logprob_value_fn(model_cfg, policy, trainer_cfg)
+    else:
+        state = init_train_state(model_weights, optimizer, jax.random.key(cfg.seed + 2))
+        logprob_fn = make_logprob_fn(model_cfg, policy, trainer_cfg)
     train_step = make_train_step(model_cfg, policy, trainer_cfg, optimizer)
-    logprob_fn = make_logprob_fn(model_cfg, policy, trainer_cfg)
-    cast = jax.tree.map(lambda p: p.astype(cfg.trainer.compute_dtype.value), state.params)
+    cast = jax.tree.map(lambda p: p.astype(cfg.trainer.compute_dtype.value), model_weights)
     engine = JaxEngine(model_cfg, cast, cfg.engine_config())
     greedy = lambda seed: SamplingConfig(temperature=0.0, max_tokens=cfg.rollout.max_new_tokens, seed=seed)  # noqa: E731
     with MetricsLogger(out, tensorboard=cfg.logging.tensorboard) as logger:

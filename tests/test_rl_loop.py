@@ -69,8 +69,7 @@ def test_sweep_and_presets():
     for name, cfg in PRESETS.items():  # every preset validates and serializes
         json.dumps(rlconfig.to_dict(cfg))
         assert cfg.engine_config().precision is Fp8Mode.ALL, name
-    with pytest.raises(rlconfig.ConfigError, match="value head"):
-        rlconfig.AlgorithmConfig(estimator=AdvantageEstimator.GAE)
+    assert rlconfig.AlgorithmConfig(estimator=AdvantageEstimator.GAE).uses_value_head  # PPO + GAE: tests/test_value_head.py
 
 
 # ------------------------------------------------------------------------------------ tasks and data

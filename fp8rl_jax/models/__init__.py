@@ -3,7 +3,16 @@
 from fp8rl_jax.models.kv_cache import KVCache, PagedKVCache, calibrate_kv_scales
 from fp8rl_jax.models.config import ConfigError, ModelConfig
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy, Proj, Site
-from fp8rl_jax.models.qwen3 import Qwen3, abstract_params, bind, count_params, forward, graphdef, init_params
+from fp8rl_jax.models.qwen3 import (
+    Qwen3,
+    abstract_params,
+    bind,
+    count_params,
+    forward,
+    forward_with_hidden,
+    graphdef,
+    init_params,
+)
 
 __all__ = [
     "ConfigError",
@@ -21,6 +30,7 @@ __all__ = [
     "calibrate_kv_scales",
     "count_params",
     "forward",
+    "forward_with_hidden",
     "graphdef",
     "init_params",
 ]

@@ -52,6 +52,7 @@ from fp8rl_jax.parallel.rules import (
     plan_params,
 )
 from fp8rl_jax.rl.trainer import (
+    PolicyValueParams,
     TrainBatch,
     TrainerConfig,
     TrainState,
@@ -84,6 +85,9 @@ def train_state_specs(state: TrainState, config: ModelConfig, mesh: Mesh, preset
     """``(TrainState of PartitionSpecs, fallbacks)`` for ``state`` (arrays or ``ShapeDtypeStruct``s)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
+    if isinstance(state.params, PolicyValueParams):
+        raise NotImplementedError("sharding a train state with a value head (PPO + GAE) is not supported yet; "
+                                  "the sharded step covers the GRPO estimators")
     plan = plan_params(state.params, config, mesh, preset, strict=strict)
     specs = TrainState(step=P(), params=plan.specs, opt_state=follow_params(state.opt_state, state.params, plan.specs),
                        rng=P())

@@ -1,5 +1,9 @@
 """RL maths for GRPO / DAPO / PPO: pure, jittable functions over ``[B, T]`` arrays.
 
+Advantages (:func:`compute_advantages`: GRPO, Dr.GRPO, GAE), the clipped policy loss
+(:func:`policy_loss`), the clipped value loss of PPO's critic (:func:`value_loss`), KL and
+entropy terms, rollout corrections and mismatch diagnostics.
+
 Shapes: ``B`` sequences, ``T`` response tokens, ``V`` vocabulary. Every token-level
 input comes with ``mask [B, T]`` (1 = real response token, 0 = padding). Modes are
 enums, never strings; enum and ``None``-valued arguments are Python-static (pass them
@@ -378,6 +382,86 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2, clip
         "ratio_max": _masked_max(sg(ratio), m),
     }
     return loss, metrics
+
+
+def explained_variance(values, returns, mask) -> Array:
+    """``1 - Var(R - V) / (Var(R) + 1e-5)`` over real tokens (population variances; verl's
+    ``vf_explained_var``): 1 for a perfect critic, 0 for one that predicts the mean return,
+    negative for one worse than that. 0 when nothing is real."""
+    m, v, r = _token_inputs(mask, values=values, returns=returns)
+    v, r = jax.lax.stop_gradient(v), jax.lax.stop_gradient(r)
+
+    def var(x):
+        return masked_mean((x - masked_mean(x, m)) ** 2, m)
+
+    return jnp.where(jnp.any(m), 1.0 - var(r - v) / (var(r) + 1e-5), 0.0)
+
+
+def value_loss(values, old_values, returns, mask, *, clip: float | None = None, agg: LossAgg = LossAgg.TOKEN_MEAN,
+               denominator: float | Array | None = None) -> tuple[Array, Metrics]:
+    """Clipped value-function loss (PPO / verl), ``[B, T] -> scalar``.
+
+    Per real token, ``V`` the value being trained, ``V_old`` the value of the parameters that
+    produced the batch, ``R`` the return target (e.g. :func:`gae_advantages`), ``eps = clip``::
+
+        l = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2)   (clip = eps)
+        l = 0.5 * (V - R)^2                                                    (clip = None)
+        loss = aggregate_loss(l, mask, agg, denominator)
+
+    The clipped branch keeps ``V`` within ``eps`` of ``V_old`` the way the policy ratio is
+    clipped: where it is the larger one (only possible when ``|V - V_old| > eps``) the token has
+    no gradient; elsewhere ``dl/dV = V - R``.
+    Same masking and normalization rules as :func:`policy_loss` (padding is replaced by 0
+    before anything else, ``denominator`` fixes ``D`` for exact micro-batch accumulation).
+    Gradients flow only through ``values``; ``old_values`` (may be None without ``clip``) and
+    ``returns`` are stop-gradient.
+
+    Metrics (means over real tokens): ``clip_frac`` (the clipped branch strictly larger),
+    ``explained_var`` (:func:`explained_variance` of ``V`` for ``R``), ``value_mean``,
+    ``return_mean``.
+    """
+    _check_enum("agg", agg, LossAgg)
+    if clip is not None and not clip > 0:
+        raise ValueError(f"value clip must be > 0 or None, got {clip}")
+    if clip is not None and old_values is None:
+        raise ValueError("a clipped value loss needs old_values (V_old)")
+    m, v, r = _token_inputs(mask, values=values, returns=returns)
+    r = jax.lax.stop_gradient(r)
+    token_loss = 0.5 * (v - r) ** 2
+    clipped = jnp.zeros_like(m)
+    if clip is not None:
+        _check_bt("old_values", old_values, m.shape)
+        old = jax.lax.stop_gradient(_clean(old_values, m))
+        v_clipped = old + jnp.clip(v - old, -clip, clip)
+        loss_clipped = 0.5 * (v_clipped - r) ** 2
+        # max(l, l_clipped), taking the clipped branch only where it differs from the unclipped one
+        # (|V - V_old| > eps): inside the range ``V_old + (V - V_old)`` is V up to rounding, which
+        # must neither count as clipped nor perturb the gradient.
+        clipped = (jnp.abs(v - old) > clip) & (loss_clipped > token_loss) & m
+        token_loss = jnp.where(clipped, loss_clipped, token_loss)
+    loss = aggregate_loss(token_loss, m, agg, denominator=denominator)
+    metrics = {
+        "clip_frac": masked_mean(clipped, m),
+        "explained_var": explained_variance(v, r, m),
+        "value_mean": masked_mean(jax.lax.stop_gradient(v), m),
+        "return_mean": masked_mean(r, m),
+    }
+    return loss, metrics
+
+
+def masked_whiten(x, mask, *, shift_mean: bool = True, eps: float = 1e-8) -> Array:
+    """``(x - mean) / sqrt(var + eps)`` over the real tokens of the whole batch, 0 on padding
+    (PPO's advantage whitening; ``var`` the unbiased sample variance, as verl's
+    ``masked_whiten``). ``shift_mean=False`` only rescales (the mean is added back)."""
+    m = _mask(mask)
+    x = _clean(x, m)
+    n = jnp.sum(m).astype(x.dtype)
+    mean = jnp.sum(x) / jnp.maximum(n, 1)
+    var = jnp.sum(jnp.where(m, (x - mean) ** 2, 0.0)) / jnp.maximum(n - 1, 1)
+    out = (x - mean) * jax.lax.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return jnp.where(m, out, jnp.zeros((), x.dtype))
 
 
 def kl_penalty(logp, ref_logp, estimator: KLEstimator, mask=None) -> Array:

@@ -4,8 +4,9 @@
 
     model      ModelConfig (architecture; presets in ``configs/models.py``)
     rollout    RolloutConfig: samples per prompt, sampling, engine sizing
-    algorithm  AlgorithmConfig: advantage estimator + the loss (``LossConfig``: clipping,
-               aggregation, KL, entropy, rollout correction)
+    algorithm  AlgorithmConfig: advantage estimator (GRPO, Dr.GRPO, PPO's GAE with a value head,
+               gamma, lambda) + the loss (``LossConfig``: clipping, aggregation, KL, entropy,
+               value loss, rollout correction)
     optimizer  OptimizerConfig: AdamW, schedule, clipping
     trainer    TrainConfig: micro-batches, compute dtype, remat
     precision  PrecisionConfig: rollout FP8 mode, FP8 KV calibration side, FP8 training
@@ -81,15 +82,37 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    """How advantages are estimated and what loss they feed."""
+    """How advantages are estimated and what loss they feed.
+
+    ``estimator = gae`` is PPO with a value head on the policy's trunk (``trainer.PolicyValueParams``):
+    the outcome reward goes on the last response token (``algos.outcome_to_token_rewards``), the
+    trainer's forward gives ``V_old``, and ``algos.gae_advantages`` with ``gamma`` / ``lam`` gives
+    advantages and returns; ``whiten_advantages`` then normalizes the advantages to mean 0, std 1
+    over the batch's response tokens (PPO's whitening). The value loss weight and clip are
+    ``loss.vf_coef`` / ``loss.value_clip``. ``gamma``, ``lam`` and ``whiten_advantages`` are unused
+    by the GRPO estimators.
+    """
 
     estimator: AdvantageEstimator = AdvantageEstimator.GRPO
     loss: LossConfig = LossConfig()
+    gamma: float = 1.0  # GAE discount
+    lam: float = 1.0  # GAE lambda
+    whiten_advantages: bool = True  # GAE: (A - mean) / std over the batch's response tokens
 
     def __post_init__(self) -> None:
-        if self.estimator is AdvantageEstimator.GAE:
-            raise ConfigError("algorithm.estimator GAE needs a value head, which the RL loop does not train yet; "
-                              "use grpo or grpo_no_std")
+        if not isinstance(self.estimator, AdvantageEstimator):
+            raise ConfigError(f"algorithm.estimator must be an AdvantageEstimator, got {self.estimator!r}")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"algorithm.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.estimator is AdvantageEstimator.GAE and not self.loss.vf_coef > 0:
+            raise ConfigError("algorithm.estimator gae trains a value head through algorithm.loss.vf_coef, "
+                              f"which must be > 0, got {self.loss.vf_coef}")
+
+    @property
+    def uses_value_head(self) -> bool:
+        """Whether the trainer needs a value head (``trainer.with_value_head``): GAE only."""
+        return self.estimator is AdvantageEstimator.GAE
 
 
 @dataclasses.dataclass(frozen=True)

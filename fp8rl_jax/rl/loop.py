@@ -6,7 +6,7 @@ One step of on-policy RL (GRPO / DAPO-style) is::
     ro       = rollout(engine, prompt_ids, n_samples=G, ...)   # FP8 generation, rollout logprobs
     rewards  = score(ro, answers, reward_fn, decode)           # verifiable reward per sample
     batch    = build_batch(ro, rewards, estimator=...)         # tokens, mask, advantages
-    batch    = with_trainer_logprobs(batch, logprob_fn, state.params)   # pi_old, trainer precision
+    batch    = with_trainer_logprobs(batch, logprob_fn, state.params)   # pi_old (+ V_old, GAE), trainer precision
     state, m = train_step(state, batch)                        # PPO/GRPO loss with TIS/MIS
     t_sync   = sync_weights(engine, state.params, ...)         # re-quantize + swap (+ KV scales)
     logger.log(step, metrics)                                  # JSONL + TensorBoard
@@ -16,11 +16,19 @@ else: every piece of state (the train state, the engine, the data cursor) is vis
 caller. The rollout logprobs come from the generator (FP8), the trainer's from the training
 precision; the gap between them is what the correction in the loss reweights and what the
 ``mismatch/*`` metrics report every step.
+
+PPO with GAE (``algorithm.estimator = gae``) runs the same stages: the train state's params carry
+a value head (``trainer.with_value_head``), ``logprob_fn`` is ``trainer.make_logprob_value_fn``,
+``build_batch`` puts the outcome reward on the last response token (``token_rewards``), and
+``with_trainer_logprobs`` takes ``V_old`` from the same trainer forward as ``old_logprobs`` and
+computes advantages (whitened if asked) and returns by GAE; the train step adds the value loss.
+The generator only ever receives the model's params (``sync_weights`` strips the head).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -35,8 +43,21 @@ import optax
 
 from fp8rl_jax.models import ModelConfig, calibrate_kv_scales
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy
-from fp8rl_jax.rl.algos import AdvantageEstimator, compute_advantages
-from fp8rl_jax.rl.trainer import TrainBatch, TrainerConfig, TrainState, token_logprobs
+from fp8rl_jax.rl.algos import (
+    AdvantageEstimator,
+    compute_advantages,
+    gae_advantages,
+    masked_whiten,
+    outcome_to_token_rewards,
+)
+from fp8rl_jax.rl.trainer import (
+    TrainBatch,
+    TrainerConfig,
+    TrainState,
+    has_value_head,
+    model_params,
+    token_logprobs,
+)
 from fp8rl_jax.rollout.base import FinishReason, Generator, RolloutBatch
 from fp8rl_jax.rollout.engine import KvCalibration
 
@@ -120,7 +141,12 @@ def build_batch(ro: Rollout, rewards: np.ndarray, *, estimator: AdvantageEstimat
     the group outcome rewards, the rollout logprobs at their tokens; ``old_logprobs`` still zero
     (fill with :func:`with_trainer_logprobs`). When the generator recorded MoE routing
     (``RolloutBatch.routing``) and ``replay_routing``, ``routing`` holds it at the same positions
-    (``-1`` on padding), so the trainer's forwards replay the rollout's experts."""
+    (``-1`` on padding), so the trainer's forwards replay the rollout's experts.
+
+    ``estimator = GAE``: advantages need the value model, so they stay 0 here; ``token_rewards``
+    holds each outcome reward on the last response token of its row
+    (:func:`algos.outcome_to_token_rewards`), and :func:`with_trainer_logprobs` (with a logprob
+    function that also returns values) fills ``values``, ``advantages`` and ``returns``."""
     N = len(ro.prompts)
     if rewards.shape != (N,):
         raise ValueError(f"rewards must have shape [{N}], got {rewards.shape}")
@@ -138,7 +164,14 @@ def build_batch(ro: Rollout, rewards: np.ndarray, *, estimator: AdvantageEstimat
         tokens[i, len(p) : len(p) + len(r)] = r
         mask[i, len(p) : len(p) + len(r)] = 1.0
         rollout_lp[i, len(p) : len(p) + len(r)] = lp
-    adv, _ = compute_advantages(estimator, jnp.asarray(rewards), jnp.asarray(mask), group_ids=jnp.asarray(ro.group_ids))
+    token_rewards = None
+    if estimator is AdvantageEstimator.GAE:
+        mask[:, 0] = 0.0  # column 0 is never trained (no logprob): the reward goes on a trained token
+        token_rewards = outcome_to_token_rewards(jnp.asarray(rewards), jnp.asarray(mask))
+        adv = jnp.zeros((N, T), jnp.float32)
+    else:
+        adv, _ = compute_advantages(estimator, jnp.asarray(rewards), jnp.asarray(mask),
+                                    group_ids=jnp.asarray(ro.group_ids))
     routing = None
     if replay_routing and ro.batch.routing is not None:
         src = np.asarray(ro.batch.routing)
@@ -151,19 +184,47 @@ def build_batch(ro: Rollout, rewards: np.ndarray, *, estimator: AdvantageEstimat
         routing = jnp.asarray(routing)
     return TrainBatch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask), advantages=adv,
                       old_logprobs=jnp.zeros((N, T), jnp.float32), rollout_logprobs=jnp.asarray(rollout_lp),
-                      routing=routing)
+                      routing=routing, token_rewards=token_rewards)
 
 
-def with_trainer_logprobs(batch: TrainBatch, logprob_fn: Callable[[Any, jax.Array], jax.Array], params: Any) -> TrainBatch:
+def with_trainer_logprobs(batch: TrainBatch, logprob_fn: Callable[..., Any], params: Any, *, gamma: float = 1.0,
+                          lam: float = 1.0, whiten_advantages: bool = True) -> TrainBatch:
     """``old_logprobs`` = the trainer's logprobs of the batch under ``params`` (the policy that
     generated it, in training precision): the PPO ratio's denominator; the correction compares
     it with the rollout logprobs. With ``batch.routing`` (MoE routing replay) it is passed as
-    ``logprob_fn(params, tokens, routing=...)`` (``trainer.make_logprob_fn`` accepts it)."""
-    if batch.routing is None:
-        old = logprob_fn(params, batch.tokens)
-    else:
-        old = logprob_fn(params, batch.tokens, routing=batch.routing)
-    return batch.replace(old_logprobs=jnp.where(batch.loss_mask != 0, old, 0.0))
+    ``logprob_fn(params, tokens, routing=...)`` (``trainer.make_logprob_fn`` accepts it).
+
+    GAE (a batch with ``token_rewards``, from ``build_batch(..., estimator=GAE)``): ``logprob_fn``
+    must return ``(logprobs, values)`` from one forward (``trainer.make_logprob_value_fn``, params
+    with a value head); then ``values = V_old`` and, on the trained tokens ``m`` (column 0 never)::
+
+        A, R = gae_advantages(token_rewards, V_old, m, gamma, lam)     # R = A + V_old
+        A    = masked_whiten(A, m)                                     # if whiten_advantages
+
+    ``values[:, t]`` is the value of the prefix ``tokens[:t]`` (hidden state ``t - 1``), aligned
+    with ``old_logprobs[:, t]``. Batches without ``token_rewards`` (GRPO) come out as before."""
+    kw = {} if batch.routing is None else {"routing": batch.routing}
+    out = logprob_fn(params, batch.tokens, **kw)
+    old, values = out if isinstance(out, tuple) else (out, None)
+    m = batch.loss_mask != 0
+    batch = batch.replace(old_logprobs=jnp.where(m, old, 0.0))
+    if batch.token_rewards is None:
+        return batch
+    if values is None:
+        raise ValueError("a GAE batch (token_rewards) needs V_old: pass a logprob_fn that returns (logprobs, values), "
+                         "trainer.make_logprob_value_fn, with params that carry a value head (trainer.with_value_head)")
+    values = jnp.where(m, values, 0.0)
+    adv, ret = _gae_stage(batch.token_rewards, values, batch.loss_mask, gamma, lam, whiten=whiten_advantages)
+    return batch.replace(values=values, advantages=adv, returns=ret)
+
+
+@functools.partial(jax.jit, static_argnames=("whiten",))
+def _gae_stage(token_rewards, values, loss_mask, gamma, lam, *, whiten: bool):
+    m = (loss_mask != 0) & (jnp.arange(loss_mask.shape[1]) > 0)[None, :]
+    adv, ret = gae_advantages(token_rewards, values, m, gamma=gamma, lam=lam)
+    if whiten:
+        adv = masked_whiten(adv, m)
+    return adv, ret
 
 
 def sync_weights(generator: Generator, params: Any, *, model_config: ModelConfig, dtype: Any = jnp.bfloat16,
@@ -171,8 +232,10 @@ def sync_weights(generator: Generator, params: Any, *, model_config: ModelConfig
                  calibration_tokens: np.ndarray | None = None, calibration_lengths: np.ndarray | None = None) -> float:
     """Hands the trainer's params to the generator (which re-quantizes them for W8A8) and, for FP8
     KV with trainer-side calibration, computes the K/V scales on a calibration batch and syncs
-    them. Returns the wall seconds (the weight-sync time of the step)."""
+    them. Returns the wall seconds (the weight-sync time of the step). ``params`` may carry a value
+    head (``trainer.PolicyValueParams``): only the model's params reach the generator."""
     t0 = time.perf_counter()
+    params = model_params(params)  # a value head (PPO) stays with the trainer
     cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
     generator.update_weights(cast)
     if precision in (Fp8Mode.KV, Fp8Mode.ALL) and kv_calibration is KvCalibration.TRAINER:
@@ -333,14 +396,23 @@ class Task:
 
 def rl_step(step: int, state: TrainState, *, cfg, task: Task, engine: Generator, train_step: Callable,
             logprob_fn: Callable, model_config: ModelConfig) -> tuple[TrainState, dict[str, float]]:
-    """One RL step through every stage; returns the new state and the step's metrics."""
+    """One RL step through every stage; returns the new state and the step's metrics.
+
+    With ``cfg.algorithm.estimator = GAE`` the state's params must carry a value head
+    (``trainer.with_value_head``) and ``logprob_fn`` must return values too
+    (``trainer.make_logprob_value_fn``); the value metrics come as ``train/value_*``."""
+    alg = cfg.algorithm
+    if alg.estimator is AdvantageEstimator.GAE and not has_value_head(state.params):
+        raise ValueError("algorithm.estimator GAE trains a value head: build the state from "
+                         "trainer.with_value_head(params, model_config) and use trainer.make_logprob_value_fn")
     examples = task.next_batch(cfg.data.prompts_per_step)
     prompt_ids = [task.encode(e.prompt) for e in examples]
     ro = rollout(engine, prompt_ids, n_samples=cfg.rollout.n_samples, sampling=cfg.rollout.sampling,
                  step=step, seed=cfg.seed)
     rewards, _ = score(ro, [e.answer for e in examples], task.reward_fn, task.decode)
-    batch = build_batch(ro, rewards, estimator=cfg.algorithm.estimator)
-    batch, t_lp = timed(with_trainer_logprobs, batch, logprob_fn, state.params)
+    batch = build_batch(ro, rewards, estimator=alg.estimator)
+    batch, t_lp = timed(with_trainer_logprobs, batch, logprob_fn, state.params, gamma=alg.gamma, lam=alg.lam,
+                        whiten_advantages=alg.whiten_advantages)
     (state, train_metrics), t_update = timed(train_step, state, batch)
     calib = {}
     if cfg.precision.kv_calibration is KvCalibration.TRAINER:
@@ -348,8 +420,8 @@ def rl_step(step: int, state: TrainState, *, cfg, task: Task, engine: Generator,
         n = min(len(ro.prompts), 64)
         lengths = np.array([len(p) + int(r) for p, r in zip(ro.prompts[:n], ro.batch.lengths[:n])], np.int32)
         calib = dict(calibration_tokens=batch.tokens[:n], calibration_lengths=lengths)
-    t_sync = sync_weights(engine, state.params, model_config=model_config, dtype=cfg.trainer.compute_dtype.value,
-                          precision=cfg.precision.rollout, kv_calibration=cfg.precision.kv_calibration, **calib)
+    t_sync = sync_weights(engine, model_params(state.params), model_config=model_config,
+                          dtype=cfg.trainer.compute_dtype.value, precision=cfg.precision.rollout, kv_calibration=cfg.precision.kv_calibration, **calib)
     groups = rewards.reshape(-1, cfg.rollout.n_samples)
     metrics = {"reward/mean": float(rewards.mean()), "reward/accuracy": float((rewards > 0.5).mean()),
                "reward/solve_all_frac": float((groups > 0.5).all(1).mean()),

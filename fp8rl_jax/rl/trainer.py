@@ -50,8 +50,23 @@ Design notes
   FP8 rollout and BF16 trainer) then no longer adds to the mismatch the correction must absorb.
   ``routing=None`` (the default) routes by top-k as before.
 
-Not here yet: a value head for PPO + GAE (GRPO/DAPO need none),
-chunking the vocabulary projection over ``T`` for long sequences.
+* **PPO value head on the shared trunk.** For GAE, ``TrainState.params`` is a
+  :class:`PolicyValueParams` ``(model, value_head)``: ``model`` the unchanged ``nnx.State`` of the
+  Qwen3 model (the generator's weights, :func:`model_params`), ``value_head`` a scalar linear head
+  ``{"kernel": [D, 1], "bias": []}`` (float32, zero-initialized: ``V = 0`` at first and the value
+  loss sends no gradient into the trunk on the first update) reading the final post-norm hidden
+  state of the same forward that gives the logprobs (``models.forward_with_hidden``). One
+  optimizer and one gradient clip cover both (shared actor-critic); GRPO keeps plain model params
+  and nothing about it changes. **Value alignment** follows the logprobs:
+  ``values[:, t] = head(h[:, t - 1])``, the hidden state that predicts ``tokens[t]``, i.e. the
+  value of the prefix ``tokens[:t]`` before token ``t`` is emitted; ``values[:, 0] = 0``. So
+  ``TrainBatch.values``, ``returns`` and ``advantages`` at entry ``t`` all belong to action ``t``.
+  The head runs in float32 on the (compute-dtype) hidden state.
+* **Value loss** (:func:`algos.value_loss`, clipped as in PPO/verl) is added as
+  ``vf_coef * value_loss`` when ``TrainBatch.returns`` is given, aggregated with the same
+  ``LossAgg``, mask and denominator as the policy loss, so micro-batch accumulation stays exact.
+
+Not here yet: chunking the vocabulary projection over ``T`` for long sequences.
 """
 
 from __future__ import annotations
@@ -69,7 +84,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from fp8rl_jax.models import MatmulPolicy, ModelConfig, forward
+from fp8rl_jax.models import MatmulPolicy, ModelConfig, forward_with_hidden
 from fp8rl_jax.rl.algos import (
     Correction,
     KLEstimator,
@@ -80,6 +95,7 @@ from fp8rl_jax.rl.algos import (
     mismatch_metrics,
     policy_loss,
     rollout_correction_weights,
+    value_loss,
 )
 
 Array = jax.Array
@@ -145,7 +161,8 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The RL loss: clipped surrogate + ``kl_coef`` KL - ``entropy_coef`` entropy, with rollout correction.
+    """The RL loss: clipped surrogate + ``kl_coef`` KL - ``entropy_coef`` entropy (+ ``vf_coef`` value
+    loss for PPO with a value head), with rollout correction.
 
     Clipping, dual clip and aggregation as in :func:`algos.policy_loss`; the correction and its
     thresholds as in :func:`algos.rollout_correction_weights` (``correction`` may be one
@@ -170,6 +187,8 @@ class LossConfig:
     geo_high: float = 1.01
     reject_kl_estimator: KLEstimator = KLEstimator.K3  # for the KL-rejection corrections (K2 or K3)
     reject_kl_threshold: float = 0.1
+    vf_coef: float = 0.5  # weight of the value loss (only with TrainBatch.returns, i.e. PPO + GAE)
+    value_clip: float | None = 0.5  # eps_v of the clipped value loss (verl's cliprange_value); None: unclipped
 
     def __post_init__(self) -> None:
         _check_enum("agg", self.agg, LossAgg)
@@ -192,6 +211,10 @@ class LossConfig:
             raise ValueError(f"need 0 < geo_low < geo_high, got [{self.geo_low}, {self.geo_high}]")
         if self.reject_kl_estimator not in (KLEstimator.K2, KLEstimator.K3):
             raise ValueError(f"reject_kl_estimator must be K2 or K3, got {self.reject_kl_estimator!r}")
+        if not self.vf_coef >= 0:
+            raise ValueError(f"vf_coef must be >= 0, got {self.vf_coef}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
 
     @property
     def corrections(self) -> tuple[Correction, ...]:
@@ -253,6 +276,66 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
 
 
+# --------------------------------------------------------------------------- value head
+
+
+@flax.struct.dataclass
+class PolicyValueParams:
+    """Trainer parameters for PPO with a value head on the shared trunk.
+
+    Attributes:
+      model: ``nnx.State`` of the Qwen3 model, exactly what GRPO trains and what the generator
+        receives (:func:`model_params`; ``loop.sync_weights`` strips the head).
+      value_head: ``{"kernel": [D, 1], "bias": []}``: ``V = h @ kernel + bias`` on the final
+        post-norm hidden state ``h`` (:func:`token_values`), outside the model's State so the
+        model definition stays the generator's.
+    """
+
+    model: nnx.State
+    value_head: dict[str, Array]
+
+
+def init_value_head(config: ModelConfig, key: Array | None = None, scale: float = 0.0) -> dict[str, Array]:
+    """A float32 value head for ``config``: ``kernel [D, 1] ~ scale * N(0, 1 / D)`` (zeros with the
+    default ``scale = 0``, or without ``key``), ``bias [] = 0``."""
+    D = config.hidden_size
+    if key is None or scale == 0:
+        kernel = jnp.zeros((D, 1), jnp.float32)
+    else:
+        kernel = (scale / math.sqrt(D)) * jax.random.normal(key, (D, 1), jnp.float32)
+    return {"kernel": kernel, "bias": jnp.zeros((), jnp.float32)}
+
+
+def with_value_head(params: nnx.State, config: ModelConfig, key: Array | None = None,
+                    scale: float = 0.0) -> PolicyValueParams:
+    """``PolicyValueParams(params, init_value_head(config, key, scale))`` (``params`` untouched)."""
+    if isinstance(params, PolicyValueParams):
+        raise TypeError("params already carry a value head")
+    return PolicyValueParams(model=params, value_head=init_value_head(config, key, scale))
+
+
+def model_params(params: Any) -> nnx.State:
+    """The model's parameters: ``params.model`` of a :class:`PolicyValueParams`, else ``params``
+    itself (GRPO). What the generator and every logprob-only forward take."""
+    return params.model if isinstance(params, PolicyValueParams) else params
+
+
+def has_value_head(params: Any) -> bool:
+    return isinstance(params, PolicyValueParams)
+
+
+def token_values(value_head: dict[str, Array], hidden: Array) -> Array:
+    """``values [B, T]`` float32 from final hidden states ``hidden [B, T, D]``, aligned with the
+    logprobs: ``values[:, t] = hidden[:, t - 1] @ kernel + bias`` (the state that predicts
+    ``tokens[t]``), ``values[:, 0] = 0``. The head runs in float32 (highest matmul precision)."""
+    k = jnp.asarray(value_head["kernel"], jnp.float32)
+    if k.shape != (jnp.shape(hidden)[-1], 1):
+        raise ValueError(f"value_head kernel must have shape [D, 1] = {(jnp.shape(hidden)[-1], 1)}, got {k.shape}")
+    v = jnp.einsum("btd,d->bt", hidden[:, :-1].astype(jnp.float32), k[:, 0], precision=jax.lax.Precision.HIGHEST)
+    v = v + jnp.asarray(value_head["bias"], jnp.float32)
+    return jnp.pad(v, ((0, 0), (1, 0)))
+
+
 # --------------------------------------------------------------------------- state and batch
 
 
@@ -262,7 +345,8 @@ class TrainState:
 
     Attributes:
       step: int32 scalar, updates done so far (the next update uses ``lr_schedule(step)``).
-      params: ``nnx.State`` of float32 master weights (paths as in ``fp8rl_jax.models``).
+      params: ``nnx.State`` of float32 master weights (paths as in ``fp8rl_jax.models``), or a
+        :class:`PolicyValueParams` (model + value head) for PPO with GAE.
       opt_state: the optax state of the optimizer the step was built with.
       rng: uint32 [2] raw PRNG key, split once per update (reserved for stochastic steps).
     """
@@ -305,6 +389,15 @@ class TrainBatch:
         for ``tokens[b, t]`` in each MoE layer (``RolloutBatch.routing``, aligned by
         ``loop.build_batch``); ``-1`` (padding, unrecorded) lets the router's top-k decide. None
         (the default) routes by top-k.
+      values: [B, T] float or None: ``V_old``, the value of the parameters that produced the
+        rollout (:func:`trainer_logprobs_and_values`), for the clipped value loss. Entry ``t`` is
+        the value of the prefix ``tokens[:t]`` (from the hidden state at ``t - 1``, the one that
+        predicts ``tokens[t]``), the alignment of the logprobs.
+      returns: [B, T] float or None: value targets ``R = A + V_old`` (:func:`algos.gae_advantages`).
+        When given, the loss adds ``vf_coef * value_loss`` and the params need a value head. None
+        (GRPO) leaves the loss as it was.
+      token_rewards: [B, T] float or None: per-token rewards, the GAE input
+        (:func:`algos.outcome_to_token_rewards`, filled by ``loop.build_batch``); not read by the loss.
     """
 
     tokens: Array
@@ -314,6 +407,9 @@ class TrainBatch:
     rollout_logprobs: Array
     ref_logprobs: Array | None = None
     routing: Array | None = None
+    values: Array | None = None
+    returns: Array | None = None
+    token_rewards: Array | None = None
 
 
 def check_batch(batch: TrainBatch, micro_batches: int = 1) -> tuple[int, int]:
@@ -353,17 +449,39 @@ def token_logprobs(params: nnx.State, tokens: Array, *, config: ModelConfig, pol
     distribution that predicts position ``t`` (None unless ``with_entropy``). ``params`` are used
     as given (cast them first for BF16 compute, as :func:`trainer_logprobs` does). ``routing``
     [B, T, L_moe, k] int32 replays MoE expert choices (``TrainBatch.routing``)."""
-    logits, _ = forward(params, tokens, config=config, policy=policy, remat=remat, routing=routing)
+    logp, ent, _ = _logprobs_and_hidden(model_params(params), tokens, config=config, policy=policy,
+                                        with_entropy=with_entropy, remat=remat, routing=routing)
+    return logp, ent
+
+
+def _logprobs_and_hidden(params, tokens, *, config, policy, with_entropy, remat, routing):
+    logits, hidden = forward_with_hidden(params, tokens, config=config, policy=policy, remat=remat, routing=routing)
     z = logits[:, :-1].astype(jnp.float32)  # [B, T-1, V]: position t-1 predicts token t
     target = jnp.take_along_axis(z, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
     logp = target - jax.nn.logsumexp(z, axis=-1)
     pad = functools.partial(jnp.pad, pad_width=((0, 0), (1, 0)))
-    return pad(logp), (pad(entropy_from_logits(z)) if with_entropy else None)
+    return pad(logp), (pad(entropy_from_logits(z)) if with_entropy else None), hidden
 
 
-def _compute_params(params: nnx.State, cfg: TrainerConfig) -> nnx.State:
+def token_logprobs_and_values(params: PolicyValueParams, tokens: Array, *, config: ModelConfig,
+                              policy: MatmulPolicy, with_entropy: bool = False, remat: bool = False,
+                              routing: Array | None = None) -> tuple[Array, Array | None, Array]:
+    """``(logp, entropy, values)`` from one full-sequence forward: :func:`token_logprobs` of
+    ``params.model`` and :func:`token_values` of ``params.value_head`` on the same final hidden
+    states (entry ``t`` of both belongs to ``tokens[t]``; ``values[:, 0] = 0``)."""
+    if not isinstance(params, PolicyValueParams):
+        raise TypeError(f"token_logprobs_and_values needs PolicyValueParams (with_value_head), "
+                        f"got {type(params).__name__}")
+    logp, ent, hidden = _logprobs_and_hidden(params.model, tokens, config=config, policy=policy,
+                                             with_entropy=with_entropy, remat=remat, routing=routing)
+    return logp, ent, token_values(params.value_head, hidden)
+
+
+def _compute_params(params: Any, cfg: TrainerConfig) -> Any:
+    """The model params cast to the compute dtype (differentiably); a value head stays float32."""
     dt = jnp.dtype(cfg.compute_dtype.value)
-    return jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+    cast = jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p, model_params(params))
+    return params.replace(model=cast) if isinstance(params, PolicyValueParams) else cast
 
 
 def _check_static(params: nnx.State, policy: MatmulPolicy, cfg: TrainerConfig) -> None:
@@ -384,25 +502,49 @@ def trainer_logprobs(params: nnx.State, tokens: Array, *, model_config: ModelCon
                      trainer_config: TrainerConfig, routing: Array | None = None) -> Array:
     """``[B, T]`` trainer-side logprobs with the loss's exact numerics (same parameter cast,
     same micro-batch shapes): what ``TrainBatch.old_logprobs`` should hold, so that the first
-    update on a fresh rollout starts at ratio 1. ``routing``: ``TrainBatch.routing`` (replay)."""
+    update on a fresh rollout starts at ratio 1. ``routing``: ``TrainBatch.routing`` (replay).
+    A value head in ``params`` is ignored (:func:`trainer_logprobs_and_values` uses it)."""
     _check_static(params, policy, trainer_config)
+    p = _compute_params(model_params(params), trainer_config)
+    fn = functools.partial(token_logprobs, config=model_config, policy=policy)
+    return _micro_map(lambda t, r: fn(p, t, routing=r)[0], tokens, routing, trainer_config.micro_batches)
+
+
+def trainer_logprobs_and_values(params: PolicyValueParams, tokens: Array, *, model_config: ModelConfig,
+                                policy: MatmulPolicy, trainer_config: TrainerConfig,
+                                routing: Array | None = None) -> tuple[Array, Array]:
+    """``(logprobs [B, T], values [B, T])`` from one forward per micro-batch, with the loss's
+    exact numerics (:func:`trainer_logprobs`): ``old_logprobs`` and ``V_old`` (``TrainBatch.values``)
+    of the parameters that produced a rollout. Alignment as :func:`token_values`."""
+    _check_static(params, policy, trainer_config)
+    if not isinstance(params, PolicyValueParams):
+        raise TypeError(f"trainer_logprobs_and_values needs PolicyValueParams (with_value_head), "
+                        f"got {type(params).__name__}")
+    p = _compute_params(params, trainer_config)
+
+    def fn(t, r):
+        logp, _, v = token_logprobs_and_values(p, t, config=model_config, policy=policy, routing=r)
+        return logp, v
+
+    return _micro_map(fn, tokens, routing, trainer_config.micro_batches)
+
+
+def _micro_map(fn: Callable, tokens: Array, routing: Array | None, M: int) -> Any:
+    """``fn(tokens, routing)`` over ``M`` micro-batches by ``lax.map``, outputs reshaped to ``[B, ...]``."""
     if jnp.ndim(tokens) != 2:
         raise ValueError(f"tokens must have shape [B, T], got {jnp.shape(tokens)}")
     B, T = jnp.shape(tokens)
-    M = trainer_config.micro_batches
     if B % M:
         raise ValueError(f"micro_batches = {M} does not divide the batch size B = {B}")
-    p = _compute_params(params, trainer_config)
-    fn = functools.partial(token_logprobs, config=model_config, policy=policy)
     if routing is None:
-        logp = jax.lax.map(lambda t: fn(p, t)[0], tokens.reshape(M, B // M, T))
+        out = jax.lax.map(lambda t: fn(t, None), tokens.reshape(M, B // M, T))
     else:
         if jnp.ndim(routing) != 4 or jnp.shape(routing)[:2] != (B, T):
             raise ValueError(f"routing must have shape [B, T, L_moe, top_k] with [B, T] = {(B, T)}, "
                              f"got {jnp.shape(routing)}")
-        logp = jax.lax.map(lambda tr: fn(p, tr[0], routing=tr[1])[0],
-                           (tokens.reshape(M, B // M, T), routing.reshape(M, B // M, *jnp.shape(routing)[1:])))
-    return logp.reshape(B, T)
+        out = jax.lax.map(lambda tr: fn(tr[0], tr[1]),
+                          (tokens.reshape(M, B // M, T), routing.reshape(M, B // M, *jnp.shape(routing)[1:])))
+    return jax.tree.map(lambda x: x.reshape(B, *x.shape[2:]), out)
 
 
 def _loss_mask(loss_mask: Array) -> Array:
@@ -429,9 +571,13 @@ def _micro_loss(params, batch: TrainBatch, weights: Array, denominator: Array, *
     lc = trainer_config.loss
     m = _loss_mask(batch.loss_mask)
     with_entropy = bool(lc.entropy_coef) or lc.entropy_metric
-    logp, ent = token_logprobs(_compute_params(params, trainer_config), batch.tokens, config=model_config,
-                               policy=policy, with_entropy=with_entropy, remat=trainer_config.remat,
-                               routing=batch.routing)
+    p = _compute_params(params, trainer_config)
+    kw = {"config": model_config, "policy": policy, "with_entropy": with_entropy, "remat": trainer_config.remat,
+          "routing": batch.routing}
+    if batch.returns is not None:
+        logp, ent, values = token_logprobs_and_values(p, batch.tokens, **kw)
+    else:
+        logp, ent = token_logprobs(p, batch.tokens, **kw)
     pg, pm = policy_loss(logp, batch.old_logprobs, batch.advantages, m, clip_low=lc.clip_low,
                          clip_high=lc.clip_high, dual_clip=lc.dual_clip, agg=lc.agg, weights=weights,
                          denominator=denominator)
@@ -453,6 +599,16 @@ def _micro_loss(params, batch: TrainBatch, weights: Array, denominator: Array, *
         stats |= {"kl_loss": kl_term, "kl_sum": jax.lax.stop_gradient(jnp.sum(kl))}
         if lc.kl_coef:
             loss = loss + lc.kl_coef * kl_term
+    if batch.returns is not None:
+        vf, vm = value_loss(values, batch.values, batch.returns, m, clip=lc.value_clip, agg=lc.agg,
+                            denominator=denominator)
+        loss = loss + lc.vf_coef * vf
+        v = jax.lax.stop_gradient(jnp.where(m, values, 0.0))
+        ret = jnp.where(m, batch.returns, 0.0).astype(jnp.float32)
+        err = jnp.where(m, ret - v, 0.0)
+        stats |= {"value_loss": vf, "value_clip_frac_sum": vm["clip_frac"] * n, "value_mean_sum": jnp.sum(v),
+                  "return_mean_sum": jnp.sum(ret), "_return_sq_sum": jnp.sum(ret * ret),
+                  "_value_err_sum": jnp.sum(err), "_value_err_sq_sum": jnp.sum(err * err)}
     stats["loss"] = loss
     return loss, jax.tree.map(jax.lax.stop_gradient, stats)
 
@@ -475,6 +631,13 @@ def _finalize(stats: Metrics, n_tokens: Array) -> Metrics:
     n = jnp.maximum(n_tokens, 1.0)
     out = {k: v for k, v in stats.items() if not k.endswith("_sum")}
     out |= {k[: -len("_sum")]: v / n for k, v in stats.items() if k.endswith("_sum")}
+    if "_value_err" in out:
+        # value_explained_var = 1 - Var(R - V) / (Var(R) + 1e-5) over the batch's trained tokens
+        # (algos.explained_variance), from token sums so that micro-batches add up exactly.
+        var_r = jnp.maximum(out.pop("_return_sq") - out["return_mean"] ** 2, 0.0)
+        e = out.pop("_value_err")
+        var_e = jnp.maximum(out.pop("_value_err_sq") - e * e, 0.0)
+        out["value_explained_var"] = jnp.where(n_tokens > 0, 1.0 - var_e / (var_r + 1e-5), 0.0)
     return out
 
 
@@ -483,6 +646,13 @@ def _static_checks(batch, params, policy, trainer_config):
     check_batch(batch, trainer_config.micro_batches)
     if trainer_config.loss.kl_coef and batch.ref_logprobs is None:
         raise ValueError(f"LossConfig.kl_coef = {trainer_config.loss.kl_coef} needs TrainBatch.ref_logprobs")
+    if batch.returns is not None:
+        if not isinstance(params, PolicyValueParams):
+            raise ValueError("TrainBatch.returns (the value loss) needs params with a value head: "
+                             "init_train_state(with_value_head(params, model_config), ...)")
+        if trainer_config.loss.value_clip is not None and batch.values is None:
+            raise ValueError(f"LossConfig.value_clip = {trainer_config.loss.value_clip} needs TrainBatch.values "
+                             f"(V_old, trainer_logprobs_and_values); set value_clip=None for an unclipped loss")
 
 
 def loss_fn(params: nnx.State, batch: TrainBatch, *, model_config: ModelConfig, policy: MatmulPolicy,
@@ -490,9 +660,11 @@ def loss_fn(params: nnx.State, batch: TrainBatch, *, model_config: ModelConfig, 
     """Whole-batch RL loss in one forward (no micro-batching), differentiable in ``params``::
 
         loss = policy_loss(logp, old, A, w) + kl_coef * KL(logp, ref) - entropy_coef * H
+               [+ vf_coef * value_loss(V, V_old, R)]          (TrainBatch.returns given)
 
     each term aggregated by ``LossConfig.agg`` over the trained tokens, ``w`` the rollout
-    correction of ``(old_logprobs, rollout_logprobs)``. Returns the loss and its metrics."""
+    correction of ``(old_logprobs, rollout_logprobs)``, ``V`` the value head on the same forward
+    (:func:`token_logprobs_and_values`). Returns the loss and its metrics."""
     _static_checks(batch, params, policy, trainer_config)
     w, metrics = _correction(batch, trainer_config.loss)
     den = loss_denominator(batch.loss_mask, trainer_config.loss.agg)
@@ -539,6 +711,10 @@ def train_step(state: TrainState, batch: TrainBatch, *, model_config: ModelConfi
     ``grad_norm`` (before clipping), ``lr`` (of this update, from ``trainer_config.optimizer``),
     ``tokens``, ``correction/*`` (incl. ``truncated_frac`` and ``masked_frac``) and
     ``mismatch/*`` (:func:`algos.mismatch_metrics` of old vs rollout logprobs on trained tokens).
+    With ``TrainBatch.returns`` (PPO + GAE): ``value_loss`` (aggregated like the loss, before
+    ``vf_coef``), and over the trained tokens ``value_clip_frac``, ``value_mean``, ``return_mean``
+    and ``value_explained_var`` (``1 - Var(R - V) / (Var(R) + 1e-5)``), ``V`` the values before
+    this update.
     """
     grads, metrics = compute_grads(state.params, batch, model_config=model_config, policy=policy,
                                    trainer_config=trainer_config)
@@ -572,24 +748,41 @@ def make_logprob_fn(model_config: ModelConfig, policy: MatmulPolicy, trainer_con
                                      trainer_config=trainer_config))
 
 
+def make_logprob_value_fn(model_config: ModelConfig, policy: MatmulPolicy, trainer_config: TrainerConfig
+                          ) -> Callable[..., tuple[Array, Array]]:
+    """Jitted :func:`trainer_logprobs_and_values` ``(params, tokens, routing=None) -> (logp, values)``
+    (``old_logprobs`` and ``V_old`` from one forward; params with a value head)."""
+    return jax.jit(functools.partial(trainer_logprobs_and_values, model_config=model_config, policy=policy,
+                                     trainer_config=trainer_config))
+
+
 __all__: Sequence[str] = (
     "ComputeDtype",
     "LossConfig",
     "OptimizerConfig",
+    "PolicyValueParams",
     "Schedule",
     "TrainBatch",
     "TrainState",
     "TrainerConfig",
     "check_batch",
     "compute_grads",
+    "has_value_head",
     "init_train_state",
+    "init_value_head",
     "loss_denominator",
     "loss_fn",
     "lr_schedule",
     "make_logprob_fn",
+    "make_logprob_value_fn",
     "make_optimizer",
     "make_train_step",
+    "model_params",
     "token_logprobs",
+    "token_logprobs_and_values",
+    "token_values",
     "train_step",
     "trainer_logprobs",
+    "trainer_logprobs_and_values",
+    "with_value_head",
 )
