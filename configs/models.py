@@ -27,6 +27,11 @@ qwen3_8b = ModelConfig(
     eos_token_ids=(151_645,),
 )
 
+# Qwen/Qwen3-1.7B: 2.03B parameters (1.7B without the tied embedding); the mid-size model of
+# the end-to-end RL step benchmark (trainer + generator fit one GPU).
+qwen3_1_7b = dataclasses.replace(qwen3_8b, hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                                 num_kv_heads=8, tie_word_embeddings=True)
+
 # Qwen/Qwen3-30B-A3B: 30.5B parameters in all, 3.3B active per token.
 qwen3_30b_a3b = ModelConfig(
     vocab_size=151_936,
@@ -74,6 +79,7 @@ tiny_qwen3_moe = dataclasses.replace(
 
 PRESETS = {
     "qwen3_8b": qwen3_8b,
+    "qwen3_1_7b": qwen3_1_7b,
     "qwen3_30b_a3b": qwen3_30b_a3b,
     "tiny_qwen3": tiny_qwen3,
     "tiny_qwen3_moe": tiny_qwen3_moe,

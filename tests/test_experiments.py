@@ -42,3 +42,22 @@ def test_bench_train_tiny(tmp_path):
     assert out.exists() and set(res["runs"]) == {"bf16", "fp8"}
     assert all(r["step_ms_median"] > 0 for r in res["runs"].values())
     assert 0.0 < res["grad_rel_err_fp8_vs_bf16"] < 0.5  # FP8 differs from BF16, but not wildly
+
+
+def test_bench_rl_step_tiny(tmp_path):
+    """The end-to-end RL step benchmark runs real steps per arm and accounts for the step's time by stage."""
+    bench = _load("bench_rl_step")
+    cfg = bench.parse_args(["--preset", "tiny_qwen3", "--layers", "1", "--prompts", "2", "--samples", "2",
+                            "--prompt-len", "6", "--max-new", "4", "--steps", "2", "--micro-batches", "2",
+                            "--kv-gib", "0.01", "--max-slots", "4", "--arms", "all:bf16", "none:fp8",
+                            "--out", str(tmp_path / "rl.json")])
+    res = bench.main(cfg, runs_dir=tmp_path / "runs")
+    assert [a["arm"] for a in res["arms"]] == ["all:bf16", "none:fp8"] and (tmp_path / "rl.json").exists()
+    for a in res["arms"]:
+        assert len(a["steps"]) == 2 and 0 < a["generated_tokens_per_step"] <= 2 * 2 * 4
+        stages = sum(a["steps"][1][k] for k in bench.STAGES)
+        assert 0 < stages <= a["steps"][1]["time/step_s"] and 0 < a["rollout_share"] < 1
+        assert len(a["reward_mean"]) == 2 and all(0.0 <= r <= 1.0 for r in a["reward_mean"])
+    assert bench.parity_reward("2 4", "") == 1.0 and bench.parity_reward("2 3", "") == 0.0
+    assert bench.parity_reward("", "") == 0.0
+    assert bench.Arm.parse("kv:fp8") == bench.Arm(bench.Fp8Mode.KV, True)
