@@ -87,8 +87,15 @@ def _param_bytes(params) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
+def _memory() -> dict:
+    """Device memory in use and its peak so far (GB), where the backend reports them."""
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)() or {}
+    return {k: round(stats[k] / 1e9, 2) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
+
+
 def run_mode(cfg: BenchConfig, params, mode: Fp8Mode) -> dict:
     engine = JaxEngine(cfg.model, params, dataclasses.replace(cfg.engine, precision=mode))
+    print(f"[{mode.value}] memory after engine init (GB): {_memory()}", flush=True)
     prompts, sampling = _requests(cfg.workload, cfg.model.vocab_size, cfg.seed)
     engine.generate(prompts[: min(4, len(prompts))], [dataclasses.replace(s, max_tokens=4) for s in sampling[:4]])
     t0 = time.perf_counter()
@@ -115,6 +122,7 @@ def run_mode(cfg: BenchConfig, params, mode: Fp8Mode) -> dict:
         "preemptions": batch.preemptions,
         "roofline_step_ms_at_mean_context": step_bytes / HBM_BPS * 1e3,
         "roofline_tokens_per_s": slots / (step_bytes / HBM_BPS),
+        "memory_gb": _memory(),
     }
 
 

@@ -183,6 +183,7 @@ def test_default_config_choice():
     assert G.supports(64, 4096, 4096) and G.supports(64, 384, 4096)
     assert not G.supports(64, 4096, 4000)  # K not a multiple of 128
     assert not G.supports(4096, 200, 4096)  # N not a multiple of the 128-wide CTA tile
+    assert not G.supports(256, 128, 256) and G.supports(256, 128, 512)  # fewer than MIN_K_BLOCKS K blocks
     for cfg in G.SWEEP_CONFIGS:  # the benchmark sweep fits in shared memory with bf16 output
         assert cfg.smem_bytes(jnp.bfloat16) <= G._SMEM_BYTES
 
@@ -206,7 +207,7 @@ def test_w8a8_policy_dispatches_to_the_mosaic_kernel(monkeypatch):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
     site = Site(0, Proj.Q)
-    for (m, n, k), expect in (((6, 128, 256), "fp8_gemm_mgpu"), ((6, 96, 256), "fp8_gemm")):
+    for (m, n, k), expect in (((6, 128, 512), "fp8_gemm_mgpu"), ((6, 96, 512), "fp8_gemm"), ((6, 128, 256), "fp8_gemm")):
         x, w, *_ = _operands(m, n, k, seed=m + n)
         qw = quantize_weight_blockwise(w)
         calls.clear()

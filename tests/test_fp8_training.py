@@ -429,9 +429,14 @@ def test_adam_steps_reduce_loss_like_bf16(dense_params):
 
 def test_pallas_path_matches_reference():
     """Kernels.PALLAS (interpret mode here, native on the H200): fprop and dgrad through
-    pallas_kernels.fp8_gemm, weight quantization through fp8_quant; same values as the reference."""
+    pallas_kernels.fp8_gemm (K = 136: masked edges; K = 256: fewer than 4 K blocks) or fp8_gemm_mgpu
+    (K = 512; the native GPU run of session 3 found the Mosaic kernel 3.7e-2 off at K = 256), weight
+    quantization through fp8_quant; same values as the reference. The wgrad multiplies the FP8
+    codes dequantized to BF16 there: within BF16's 2^-9 rounding of the reference."""
     rng = np.random.default_rng(16)
-    x, w, dy = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((24, 136), (136, 136), (24, 136)))
-    out = {k: _linear_vjp(x, w, dy, Fp8TrainRecipe(kernels=k)) for k in (Kernels.PALLAS, Kernels.REFERENCE)}
-    for name, a, b in zip(("y", "dx", "dW"), out[Kernels.PALLAS], out[Kernels.REFERENCE], strict=True):
-        assert rel_err(a, b) < 1e-6, name
+    for m, k, n in ((24, 136, 136), (256, 256, 128), (128, 512, 128)):
+        x, w, dy = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((m, k), (n, k), (m, n)))
+        out = {kk: _linear_vjp(x, w, dy, Fp8TrainRecipe(kernels=kk)) for kk in (Kernels.PALLAS, Kernels.REFERENCE)}
+        for name, a, b in zip(("y", "dx", "dW"), out[Kernels.PALLAS], out[Kernels.REFERENCE], strict=True):
+            assert rel_err(a, b) < (4e-3 if name == "dW" else 1e-6), (m, k, n, name, rel_err(a, b))
+        assert rel_err(out[Kernels.PALLAS][2], out[Kernels.REFERENCE][2]) > 0  # the BF16 wgrad path ran

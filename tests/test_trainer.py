@@ -36,6 +36,7 @@ from fp8rl_jax.rl.trainer import (
     TrainBatch,
     TrainerConfig,
     compute_grads,
+    head_logprobs,
     init_train_state,
     loss_fn,
     lr_schedule,
@@ -43,6 +44,7 @@ from fp8rl_jax.rl.trainer import (
     make_optimizer,
     make_train_step,
     token_logprobs,
+    trainer_logprobs,
 )
 
 # Smaller than the tiny preset (XLA compile time, not the run, dominates these tests on the CPU).
@@ -523,3 +525,58 @@ def test_bad_inputs_raise_clear_errors():
         LossConfig(agg="token_mean")
     with pytest.raises(ValueError, match="micro_batches must be a positive int"):
         TrainerConfig(micro_batches=0)
+
+
+# --------------------------------------------------------------------------- chunked vocabulary projection
+
+
+def test_chunked_head_matches_unchunked_loss_grads_and_logprobs():
+    """``logits_chunk`` (LM head + log-softmax a few positions at a time, rematerialized) changes
+    neither the loss, its metrics, its gradients nor the trainer logprobs; chunk sizes that do not
+    divide T - 1 included. float32, so only summation order may differ."""
+    rng = np.random.default_rng(21)
+    params = init_params(SMALL, jax.random.key(3), jnp.float32)
+    batch = make_batch(rng, SMALL, 4, 23)
+    tc = TrainerConfig(loss=LossConfig(entropy_coef=0.01, kl_coef=0.1), compute_dtype=ComputeDtype.FLOAT32,
+                       logits_chunk=None)
+    (l0, m0), g0 = jit_value_and_grad(params, batch, model_config=SMALL, policy=F32, trainer_config=tc)
+    lp0 = np.asarray(trainer_logprobs(params, batch.tokens, model_config=SMALL, policy=F32, trainer_config=tc))
+    for chunk in (5, 8):
+        tcc = dataclasses.replace(tc, logits_chunk=chunk)
+        (l1, m1), g1 = jit_value_and_grad(params, batch, model_config=SMALL, policy=F32, trainer_config=tcc)
+        np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5, atol=1e-7)
+        for k in ("entropy", "kl", "pg_loss"):
+            np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(flat(g1), flat(g0), rtol=1e-4, atol=1e-7)
+        lp1 = trainer_logprobs(params, batch.tokens, model_config=SMALL, policy=F32, trainer_config=tcc)
+        np.testing.assert_allclose(np.asarray(lp1), lp0, rtol=1e-5, atol=1e-6)
+
+
+def test_head_logprobs_against_float64_and_memory():
+    """``head_logprobs`` against float64 numpy on random hidden states, and the point of chunking:
+    the compiled gradient holds far less temporary memory than the one-shot [B, S, V] version."""
+    rng = np.random.default_rng(5)
+    B, S, D, V = 2, 300, 16, 4096
+    h = rng.normal(size=(B, S, D)).astype(np.float32)
+    w = (rng.normal(size=(V, D)) / 4).astype(np.float32)
+    t = rng.integers(0, V, (B, S)).astype(np.int32)
+    z = h.astype(np.float64) @ w.T.astype(np.float64)
+    z -= z.max(-1, keepdims=True)
+    logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    ref_lp = np.take_along_axis(logp_all, t[..., None], -1)[..., 0]
+    ref_ent = -(np.exp(logp_all) * logp_all).sum(-1)
+    head = lambda x, w: jnp.einsum("bsd,vd->bsv", x, w, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+    for chunk in (None, 64):
+        lp, ent = head_logprobs(functools.partial(head, w=jnp.asarray(w)), jnp.asarray(h), jnp.asarray(t),
+                                with_entropy=True, chunk=chunk)
+        np.testing.assert_allclose(np.asarray(lp), ref_lp, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ent), ref_ent, rtol=1e-5, atol=1e-5)
+
+    def temp_bytes(chunk):
+        loss = lambda x, w: jnp.sum(head_logprobs(lambda y: head(y, w), x, jnp.asarray(t), chunk=chunk)[0])  # noqa: E731
+        c = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(jnp.asarray(h), jnp.asarray(w)).compile(FAST_COMPILE)
+        return c.memory_analysis().temp_size_in_bytes
+
+    full, chunked = temp_bytes(None), temp_bytes(64)
+    assert full >= B * S * V * 4  # at least one float32 [B, S, V] tensor lives in the one-shot gradient
+    assert chunked < full / 3, (chunked, full)

@@ -71,9 +71,11 @@ Reference (CPU, or ``Kernels.REFERENCE``): dequantize both operands to float32 a
 HIGHEST precision: exact products, float32 sums, the same math as the kernel's per-128-block
 promotion in another order. On a GPU backend (``AUTO``) or with ``Kernels.PALLAS`` the weight
 quantization runs ``pallas_kernels.fp8_quant`` (bit-identical), and the fprop and the dgrad run
-``pallas_kernels.fp8_gemm`` when the block is 128x128 and the operands are E4M3 (dgrad with
-E5M2 gradients falls back to the reference). The wgrad (per-row scales on *both* operands) and
-all MoE GEMMs use the reference until a 1Dx1D-scaled and a grouped kernel exist.
+``pallas_kernels.fp8_gemm_mgpu`` (TMA + wgmma; ``pallas_kernels.fp8_gemm`` for shapes it does not
+take) when the block is 128x128 and the operands are E4M3 (dgrad with E5M2 gradients falls back
+to the reference). The wgrad (per-row scales on *both* operands) multiplies the FP8 codes
+dequantized to BF16 on the BF16 tensor cores (``_wgrad``: within 2^-9 of the reference, far
+below the FP8 step) until a 1Dx1D-scaled FP8 kernel exists; the MoE GEMMs use the reference.
 
 Where we deviate, and why
 -------------------------
@@ -112,6 +114,7 @@ from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, MatmulPoli
 from fp8rl_jax.quant.fp8 import Fp8Format, QuantizedWeight, dequantize_activations, quantize_activations
 from fp8rl_jax.quant.policy import Kernels, LayerPolicy, quantize_weight
 from pallas_kernels import fp8_gemm as gemm_kernel
+from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _KERNEL_BLOCK = (gemm_kernel.BK, gemm_kernel.BK)
@@ -195,6 +198,32 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def _block_gemm(aq: jax.Array, a_s: jax.Array, bq: jax.Array, b_s: jax.Array, dt: Any) -> jax.Array:
+    """FP8 ``A [M, K] (1x128) @ B [N, K]ᵀ (128x128)`` on the Pallas kernels, as ``W8A8Policy`` picks
+    them: the Mosaic GPU kernel (TMA + wgmma) where it takes the shape, else the Triton one."""
+    m, k = aq.shape
+    n = bq.shape[0]
+    if mgpu_kernel.supports(m, n, k):
+        return mgpu_kernel.fp8_gemm_mgpu(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
+    return gemm_kernel.fp8_gemm(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
+
+
+def _wgrad(dytq, dyts, xtq, xts, group: int, kernels: bool) -> jax.Array:
+    """dW [N, K] float32 = dyᵀ x from 128x1-grouped FP8 codes (``_quant_cols`` layouts).
+
+    Reference: both operands dequantized to float32, HIGHEST-precision dot (exact products,
+    float32 sums). Kernel path (GPU): dequantized to BF16 instead and multiplied on the BF16
+    tensor cores with float32 accumulation: an E4M3 code has 4 significant bits, so ``code x
+    scale`` rounded to BF16's 8 loses at most 2^-9 relative, 32x below the FP8 quantization step
+    (2^-4) that defines the recipe; float32 HIGHEST dots run at a small fraction of the tensor
+    cores' rate. A kernel with per-row scales on both operands (1Dx1D) would run it in FP8."""
+    if not kernels:
+        return _dot_nt(_deq_rows(dytq, dyts, group), _deq_rows(xtq, xts, group))
+    a = dequantize_activations(dytq, dyts, group, dtype=jnp.bfloat16)
+    b = dequantize_activations(xtq, xts, group, dtype=jnp.bfloat16)
+    return jax.lax.dot_general(a, b, DENSE_DN, preferred_element_type=jnp.float32)
+
+
 # ---------------------------------------------------------------------------- dense linear
 
 
@@ -207,7 +236,7 @@ def _linear_fwd_impl(x: jax.Array, w: jax.Array, spec: _Spec):
     m, k = x.shape
     n = w.shape[0]
     if r._gemm_kernel(Fp8Format.E4M3) and min(m, n, k) > 0:
-        y = gemm_kernel.fp8_gemm(xq, xs, qw.q, qw.scale_inv, out_dtype=dt, interpret=_interpret())
+        y = _block_gemm(xq, xs, qw.q, qw.scale_inv, dt)
     else:
         y = _dot_nt(_deq_rows(xq, xs, bk), qw.dequantize(jnp.float32)).astype(dt)
     # The wgrad's x, 128x1 along tokens, from high precision; the 1x128 copy is not kept.
@@ -234,13 +263,13 @@ def _fp8_linear_bwd(spec: _Spec, res, dy: jax.Array):
     # dgrad: dy per token in 1 x bn groups along N (the contraction), W's blocks reused transposed.
     dyq, dys = quantize_activations(dy, bn, r.grad_format)
     if r._gemm_kernel(r.grad_format) and min(m, n, k) > 0:
-        dx = gemm_kernel.fp8_gemm(dyq, dys, qw.q.T, qw.scale_inv.T, out_dtype=dt, interpret=_interpret())
+        dx = _block_gemm(dyq, dys, qw.q.T, qw.scale_inv.T, dt)
     else:
         dx = jax.lax.dot_general(_deq_rows(dyq, dys, bn), qw.dequantize(jnp.float32), (((1,), (0,)), ((), ())),
                                  precision=_HIGHEST, preferred_element_type=jnp.float32).astype(dt)
     # wgrad: both operands in 128x1 groups along the token axis M (the contraction).
     dytq, dyts = _quant_cols(dy, g, r.grad_format)  # [N, M], [N, M/g]
-    dw = _dot_nt(_deq_rows(dytq, dyts, g), _deq_rows(xtq, xts, g))  # [N, K] float32
+    dw = _wgrad(dytq, dyts, xtq, xts, g, r.kernels.pallas())  # [N, K] float32
     return dx, dw.astype(spec.w_dtype)
 
 

@@ -122,6 +122,7 @@ class TrainConfig:
     micro_batches: int = 1
     compute_dtype: ComputeDtype = ComputeDtype.BFLOAT16
     remat: bool = False
+    logits_chunk: int | None = 1024  # LM head + log-softmax this many positions at a time (trainer.head_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +201,7 @@ class RLConfig:
     def trainer_config(self) -> TrainerConfig:
         return TrainerConfig(loss=self.algorithm.loss, optimizer=self.optimizer,
                              micro_batches=self.trainer.micro_batches, compute_dtype=self.trainer.compute_dtype,
-                             remat=self.trainer.remat)
+                             remat=self.trainer.remat, logits_chunk=self.trainer.logits_chunk)
 
     def train_policy(self) -> MatmulPolicy:
         """The trainer's matmul policy: FP8 GEMMs forward and backward with ``precision.train_fp8``

@@ -55,7 +55,7 @@ Design notes
   Qwen3 model (the generator's weights, :func:`model_params`), ``value_head`` a scalar linear head
   ``{"kernel": [D, 1], "bias": []}`` (float32, zero-initialized: ``V = 0`` at first and the value
   loss sends no gradient into the trunk on the first update) reading the final post-norm hidden
-  state of the same forward that gives the logprobs (``models.forward_with_hidden``). One
+  state of the same forward that gives the logprobs (``models.Qwen3.hidden_states``). One
   optimizer and one gradient clip cover both (shared actor-critic); GRPO keeps plain model params
   and nothing about it changes. **Value alignment** follows the logprobs:
   ``values[:, t] = head(h[:, t - 1])``, the hidden state that predicts ``tokens[t]``, i.e. the
@@ -66,7 +66,10 @@ Design notes
   ``vf_coef * value_loss`` when ``TrainBatch.returns`` is given, aggregated with the same
   ``LossAgg``, mask and denominator as the policy loss, so micro-batch accumulation stays exact.
 
-Not here yet: chunking the vocabulary projection over ``T`` for long sequences.
+* **Chunked vocabulary projection.** ``TrainerConfig.logits_chunk`` positions at a time
+  (:func:`head_logprobs`, rematerialized in the backward): ``[B, T, V]`` float32 logits with
+  Qwen3's 152k vocabulary are ~600 KB per token, and several copies of them ran a Qwen3-1.7B
+  update out of memory on the H200 at 8 x 1536 tokens per micro-batch.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from fp8rl_jax.models import MatmulPolicy, ModelConfig, forward_with_hidden
+from fp8rl_jax.models import MatmulPolicy, ModelConfig, bind
 from fp8rl_jax.rl.algos import (
     Correction,
     KLEstimator,
@@ -231,9 +234,12 @@ class TrainerConfig:
     micro_batches: int = 1  # M: B must be a multiple; gradients are accumulated exactly
     compute_dtype: ComputeDtype = ComputeDtype.BFLOAT16
     remat: bool = False  # recompute each decoder layer in the backward pass
+    logits_chunk: int | None = 1024  # LM head + log-softmax over this many positions at a time (None: all)
 
     def __post_init__(self) -> None:
         _check_enum("compute_dtype", self.compute_dtype, ComputeDtype)
+        if self.logits_chunk is not None and not (isinstance(self.logits_chunk, int) and self.logits_chunk >= 1):
+            raise ValueError(f"logits_chunk must be a positive int or None, got {self.logits_chunk!r}")
         if not isinstance(self.loss, LossConfig) or not isinstance(self.optimizer, OptimizerConfig):
             raise TypeError(f"loss must be a LossConfig and optimizer an OptimizerConfig, got "
                             f"{type(self.loss).__name__} and {type(self.optimizer).__name__}")
@@ -442,30 +448,67 @@ def check_batch(batch: TrainBatch, micro_batches: int = 1) -> tuple[int, int]:
 
 
 def token_logprobs(params: nnx.State, tokens: Array, *, config: ModelConfig, policy: MatmulPolicy,
-                   with_entropy: bool = False, remat: bool = False, routing: Array | None = None
-                   ) -> tuple[Array, Array | None]:
+                   with_entropy: bool = False, remat: bool = False, routing: Array | None = None,
+                   logits_chunk: int | None = None) -> tuple[Array, Array | None]:
     """``(logp, entropy)``: ``logp[b, t] = log p(tokens[b, t] | tokens[b, :t])`` ``[B, T]`` float32
     from one full-sequence forward, ``logp[:, 0] = 0``; ``entropy[b, t]`` is the entropy of the
     distribution that predicts position ``t`` (None unless ``with_entropy``). ``params`` are used
     as given (cast them first for BF16 compute, as :func:`trainer_logprobs` does). ``routing``
-    [B, T, L_moe, k] int32 replays MoE expert choices (``TrainBatch.routing``)."""
+    [B, T, L_moe, k] int32 replays MoE expert choices (``TrainBatch.routing``). ``logits_chunk``:
+    the LM head and log-softmax run over that many positions at a time, rematerialized in the
+    backward pass (:func:`head_logprobs`), so ``[B, T, V]`` float32 logits never exist at once."""
     logp, ent, _ = _logprobs_and_hidden(model_params(params), tokens, config=config, policy=policy,
-                                        with_entropy=with_entropy, remat=remat, routing=routing)
+                                        with_entropy=with_entropy, remat=remat, routing=routing,
+                                        logits_chunk=logits_chunk)
     return logp, ent
 
 
-def _logprobs_and_hidden(params, tokens, *, config, policy, with_entropy, remat, routing):
-    logits, hidden = forward_with_hidden(params, tokens, config=config, policy=policy, remat=remat, routing=routing)
-    z = logits[:, :-1].astype(jnp.float32)  # [B, T-1, V]: position t-1 predicts token t
-    target = jnp.take_along_axis(z, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
-    logp = target - jax.nn.logsumexp(z, axis=-1)
+def head_logprobs(logits_fn: Callable[[Array], Array], hidden: Array, targets: Array, *, with_entropy: bool = False,
+                  chunk: int | None = None) -> tuple[Array, Array | None]:
+    """``logp[b, s] = log softmax(logits_fn(hidden[b, s]))[targets[b, s]]`` ``[B, S]`` float32 (and
+    the entropy of that distribution when ``with_entropy``), computed ``chunk`` positions at a
+    time when ``S > chunk``.
+
+    The vocabulary projection dominates activation memory at RL lengths: Qwen3's 152k-entry
+    vocabulary makes ``[B, S, V]`` float32 logits ~600 KB per token, and autodiff keeps several
+    such tensors (logits, softmax, their cotangents). Chunked, the forward holds one
+    ``[B, chunk, V]`` block at a time and ``jax.checkpoint`` makes the backward recompute each
+    chunk's logits from ``hidden`` instead of storing them: peak memory falls from
+    ``O(S V)`` to ``O(chunk V)`` for one extra LM-head GEMM. Each position's result is the same
+    math as the unchunked path (rows of a GEMM are independent), up to the GEMM's summation order."""
+    B, S = targets.shape
+
+    def block(h, t):
+        z = logits_fn(h).astype(jnp.float32)
+        lp = jnp.take_along_axis(z, t[..., None].astype(jnp.int32), axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
+        return lp, (entropy_from_logits(z) if with_entropy else jnp.zeros_like(lp))
+
+    if chunk is None or S <= chunk:
+        lp, ent = block(hidden, targets)
+    else:
+        n = -(-S // chunk)
+        pad = n * chunk - S
+        h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, -1).swapaxes(0, 1)
+        t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+        lp, ent = jax.lax.map(jax.checkpoint(lambda ht: block(*ht)), (h, t))
+        lp, ent = (x.swapaxes(0, 1).reshape(B, n * chunk)[:, :S] for x in (lp, ent))
+    return lp, (ent if with_entropy else None)
+
+
+def _logprobs_and_hidden(params, tokens, *, config, policy, with_entropy, remat, routing, logits_chunk=None):
+    model = bind(params, config, policy)
+    hidden, _ = model.hidden_states(tokens, remat=remat, routing=routing)
+    # position t-1 predicts token t
+    logp, ent = head_logprobs(model.logits, hidden[:, :-1], tokens[:, 1:], with_entropy=with_entropy,
+                              chunk=logits_chunk)
     pad = functools.partial(jnp.pad, pad_width=((0, 0), (1, 0)))
-    return pad(logp), (pad(entropy_from_logits(z)) if with_entropy else None), hidden
+    return pad(logp), (pad(ent) if with_entropy else None), hidden
 
 
 def token_logprobs_and_values(params: PolicyValueParams, tokens: Array, *, config: ModelConfig,
                               policy: MatmulPolicy, with_entropy: bool = False, remat: bool = False,
-                              routing: Array | None = None) -> tuple[Array, Array | None, Array]:
+                              routing: Array | None = None, logits_chunk: int | None = None
+                              ) -> tuple[Array, Array | None, Array]:
     """``(logp, entropy, values)`` from one full-sequence forward: :func:`token_logprobs` of
     ``params.model`` and :func:`token_values` of ``params.value_head`` on the same final hidden
     states (entry ``t`` of both belongs to ``tokens[t]``; ``values[:, 0] = 0``)."""
@@ -473,7 +516,8 @@ def token_logprobs_and_values(params: PolicyValueParams, tokens: Array, *, confi
         raise TypeError(f"token_logprobs_and_values needs PolicyValueParams (with_value_head), "
                         f"got {type(params).__name__}")
     logp, ent, hidden = _logprobs_and_hidden(params.model, tokens, config=config, policy=policy,
-                                             with_entropy=with_entropy, remat=remat, routing=routing)
+                                             with_entropy=with_entropy, remat=remat, routing=routing,
+                                             logits_chunk=logits_chunk)
     return logp, ent, token_values(params.value_head, hidden)
 
 
@@ -506,7 +550,8 @@ def trainer_logprobs(params: nnx.State, tokens: Array, *, model_config: ModelCon
     A value head in ``params`` is ignored (:func:`trainer_logprobs_and_values` uses it)."""
     _check_static(params, policy, trainer_config)
     p = _compute_params(model_params(params), trainer_config)
-    fn = functools.partial(token_logprobs, config=model_config, policy=policy)
+    fn = functools.partial(token_logprobs, config=model_config, policy=policy,
+                           logits_chunk=trainer_config.logits_chunk)
     return _micro_map(lambda t, r: fn(p, t, routing=r)[0], tokens, routing, trainer_config.micro_batches)
 
 
@@ -523,7 +568,8 @@ def trainer_logprobs_and_values(params: PolicyValueParams, tokens: Array, *, mod
     p = _compute_params(params, trainer_config)
 
     def fn(t, r):
-        logp, _, v = token_logprobs_and_values(p, t, config=model_config, policy=policy, routing=r)
+        logp, _, v = token_logprobs_and_values(p, t, config=model_config, policy=policy, routing=r,
+                                               logits_chunk=trainer_config.logits_chunk)
         return logp, v
 
     return _micro_map(fn, tokens, routing, trainer_config.micro_batches)
@@ -573,7 +619,7 @@ def _micro_loss(params, batch: TrainBatch, weights: Array, denominator: Array, *
     with_entropy = bool(lc.entropy_coef) or lc.entropy_metric
     p = _compute_params(params, trainer_config)
     kw = {"config": model_config, "policy": policy, "with_entropy": with_entropy, "remat": trainer_config.remat,
-          "routing": batch.routing}
+          "routing": batch.routing, "logits_chunk": trainer_config.logits_chunk}
     if batch.returns is not None:
         logp, ent, values = token_logprobs_and_values(p, batch.tokens, **kw)
     else:
@@ -778,6 +824,7 @@ __all__: Sequence[str] = (
     "make_optimizer",
     "make_train_step",
     "model_params",
+    "head_logprobs",
     "token_logprobs",
     "token_logprobs_and_values",
     "token_values",
