@@ -33,6 +33,14 @@ FP8 scales in-kernel, online softmax in float32 (its padded query rows are zero)
 pure-jnp reference gathers the row's pages and runs ``dot_attention``: CPU results are exactly
 the reference's. ``Kernels.PALLAS`` forces the kernels (interpret mode off the GPU: tests);
 ``Kernels.REFERENCE`` never uses them.
+
+Tensor parallelism (``PagedKVCache.heads``, a static ``HeadSharding``, None on one device): the
+pools are sharded over their kv-head axis K on one mesh axis (the generator's tensor axis), the
+way the column-parallel q/k/v projections split heads, so each device stores and reads only its
+own heads' KV. Attention is independent per head (GQA groups never straddle shards when both N
+and K divide by the axis size), so the Pallas kernels run per shard under ``shard_map`` with q,
+the pools and the output split on heads and the page table, lengths and scales replicated: no
+collective. The jnp reference path needs nothing: XLA's partitioner follows the sharded pools.
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+import dataclasses
+
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.attention import dot_attention
 from fp8rl_jax.quant.fp8 import saturating_cast
@@ -106,6 +119,29 @@ class KVCache:
         return self.replace(lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadSharding:
+    """The pools' kv-head axis split over ``mesh`` axis ``axis`` (hashable: a static cache field)."""
+
+    mesh: Mesh
+    axis: str
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    @property
+    def pool_spec(self) -> P:
+        """Spec of a page pool [P, page_size, K, H]."""
+        return P(None, None, self.axis, None)
+
+    def per_head(self, fn, q_spec: P, n_args: int):
+        """``fn(q, k_pages, v_pages, *replicated)`` run per head shard: q and the output split by
+        ``q_spec``, the pools by ``pool_spec``, the other ``n_args - 3`` arguments replicated."""
+        in_specs = (q_spec, self.pool_spec, self.pool_spec) + (P(),) * (n_args - 3)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
+
+
 @struct.dataclass
 class PagedKVCache:
     """Paged KV cache, BF16 or FP8 (E4M3 with per-layer scales).
@@ -121,6 +157,7 @@ class PagedKVCache:
       kernels: static `Kernels`, which implementation reads the cache in a decode step (module
         note); None means ``Kernels.AUTO`` (``fp8rl_jax.quant.policy`` imports the models, so the
         enum is resolved when used, not imported here).
+      heads: static `HeadSharding` of the pools under tensor parallelism (module note), or None.
     """
 
     k_pages: tuple[jax.Array, ...]
@@ -130,6 +167,7 @@ class PagedKVCache:
     page_table: jax.Array
     lengths: jax.Array
     kernels: Kernels | None = struct.field(pytree_node=False, default=None)
+    heads: HeadSharding | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def init(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -209,13 +247,19 @@ class PagedKVCache:
             # apply to an FP8 pool (``_load``)
             one = jnp.float32(1.0)
             ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.is_fp8 else (one, one)
-            out = paged_kernel.paged_attention(q[:, 0], kp, vp, ks, vs, self.page_table, self.lengths + 1)
+            fn = paged_kernel.paged_attention
+            if self.heads is not None:
+                fn = self.heads.per_head(fn, P(None, self.heads.axis, None), 7)
+            out = fn(q[:, 0], kp, vp, ks, vs, self.page_table, self.lengths + 1)
             return out[:, None], new
         if self._prefill_kernel(T, H):
             # reads keys j < lengths[b] + num_new[b] (written above), query t seeing j <= lengths[b] + t
             one = jnp.float32(1.0)
             ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.is_fp8 else (one, one)
-            out = prefill_kernel.prefill_attention(q, kp, vp, ks, vs, self.page_table, self.lengths, num_new)
+            fn = prefill_kernel.prefill_attention
+            if self.heads is not None:
+                fn = self.heads.per_head(fn, P(None, None, self.heads.axis, None), 8)
+            out = fn(q, kp, vp, ks, vs, self.page_table, self.lengths, num_new)
             return out, new
         kg = self._load(kp[self.page_table], self.k_scale[layer], q.dtype).reshape(B, max_pages * ps, K, H)
         vg = self._load(vp[self.page_table], self.v_scale[layer], q.dtype).reshape(B, max_pages * ps, K, H)

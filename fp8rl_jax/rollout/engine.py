@@ -36,6 +36,16 @@ Design:
   output predicts nothing the trainer uses.
 - Bad input (empty prompt, ids outside the vocabulary, a prompt that cannot fit, bad sampling
   settings) raises ``ValueError`` naming the request before anything runs.
+- Tensor parallelism (``JaxEngine(..., mesh=...)``, a mesh whose only axis of size > 1 is
+  ``tensor``): the parameters take the ``TENSOR_PARALLEL`` preset of ``fp8rl_jax.parallel``
+  (column-parallel q/k/v/gate/up and lm_head, row-parallel o/down, whole heads per device), the
+  KV pools are split over their kv-head axis (``HeadSharding``), and the same jitted prefill and
+  decode run partitioned by XLA (the attention kernels per head shard under ``shard_map``). The
+  host loop is unchanged: page tables, lengths and sampling state are replicated. ``kv_budget_gib``
+  is per device, so the pool holds ``tensor`` times the pages. ``update_weights`` reshards the
+  trainer's params into this layout (any input layout: FSDP, replicated, host) and quantizes
+  each shard where it lives (block-aligned specs: no collective, bitwise equal to unsharded);
+  ``last_sync`` reports the reshard and quantize times.
 """
 
 from __future__ import annotations
@@ -51,9 +61,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8rl_jax.models import DensePolicy, Fp8Mode, ModelConfig, PagedKVCache, calibrate_kv_scales, forward
+from fp8rl_jax.models import DensePolicy, Fp8Mode, HeadSharding, ModelConfig, PagedKVCache, calibrate_kv_scales, forward
 from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
-from fp8rl_jax.quant.policy import W8A8Policy, quantize_params
+from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
 
@@ -86,6 +96,9 @@ class EngineConfig:
       kv_calibration: where FP8 KV scales come from after a weight update.
       kv_calibration_prompts: prompts used by inference-side calibration.
       kv_percentile, kv_margin: scale = percentile(|x|) * margin / 448.
+      fp8_block: FP8 weight block (rows, cols) of W8A8; activations are grouped 1 x cols. The
+        Pallas GEMMs need (128, 128) (the default, the HF/vLLM convention); smaller blocks run
+        the reference (tests of sharded FP8 on tiny models).
       record_routing: MoE models only: record the experts chosen at every prompt and generated
         position and return them as ``RolloutBatch.routing`` for routing replay in the trainer
         (off by default: it costs a [rows, T, L_moe, k] int32 transfer per device call).
@@ -106,6 +119,7 @@ class EngineConfig:
     kv_percentile: float = 99.9
     kv_margin: float = 1.05
     record_routing: bool = False
+    fp8_block: tuple[int, int] = (128, 128)
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -117,6 +131,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.precision must be an Fp8Mode, got {self.precision!r}")
         if not isinstance(self.kv_calibration, KvCalibration):
             raise ValueError(f"EngineConfig.kv_calibration must be a KvCalibration, got {self.kv_calibration!r}")
+        b = self.fp8_block
+        if not (isinstance(b, tuple) and len(b) == 2 and all(isinstance(x, int) and x > 0 for x in b)):
+            raise ValueError(f"EngineConfig.fp8_block must be a pair of positive ints, got {b!r}")
         if not 0 < self.kv_percentile <= 100 or self.kv_margin <= 0 or self.kv_calibration_prompts < 1:
             raise ValueError("EngineConfig needs 0 < kv_percentile <= 100, kv_margin > 0, kv_calibration_prompts >= 1")
 
@@ -145,22 +162,37 @@ class _Request:
 class JaxEngine:
     """``Generator`` on the one model definition with a paged KV cache."""
 
-    def __init__(self, model_config: ModelConfig, params: Any, config: EngineConfig = EngineConfig()):
+    def __init__(self, model_config: ModelConfig, params: Any, config: EngineConfig = EngineConfig(), *,
+                 mesh: jax.sharding.Mesh | None = None):
         self.model_config = model_config
         self.config = config
+        self.mesh = mesh
+        self.heads = _head_sharding(mesh, model_config) if mesh is not None else None
+        self.last_sync: dict[str, float] = {}
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
         fp8 = config.precision in (Fp8Mode.W8A8, Fp8Mode.ALL)
-        self.policy = W8A8Policy(config.dtype) if fp8 else DensePolicy(config.dtype)
-        self._quantize = jax.jit(functools.partial(quantize_params, config=model_config)) if fp8 else None
+        block = tuple(config.fp8_block)
+        self.policy = W8A8Policy(config.dtype, group_size=block[1]) if fp8 else DensePolicy(config.dtype)
+        self._quantize = jax.jit(functools.partial(quantize_params, config=model_config,
+                                                   layer_policy=LayerPolicy(block_size=block))) if fp8 else None
         kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.fp8_kv else jnp.dtype(config.dtype)
         cfg = model_config
         bytes_per_page = 2 * cfg.num_layers * config.page_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
-        self.num_pages = config.num_pages or int(config.kv_budget_gib * 2**30 // bytes_per_page)
+        tp = self.heads.size if self.heads is not None else 1  # the budget is per device; a page's heads are split
+        self.num_pages = config.num_pages or int(config.kv_budget_gib * 2**30 * tp // bytes_per_page)
         if self.num_pages < 1:
             raise ValueError(f"a KV budget of {config.kv_budget_gib} GiB holds no page of {bytes_per_page} bytes")
         self.max_pages = math.ceil(self.max_seq_len / config.page_size)
         self.cache = PagedKVCache.init(cfg.num_layers, self.num_pages, config.page_size, cfg.num_kv_heads,
                                        cfg.head_dim, config.max_slots, self.max_pages, kv_dtype)
+        if self.heads is not None:
+            pools = jax.sharding.NamedSharding(mesh, self.heads.pool_spec)
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self.cache = self.cache.replace(
+                k_pages=tuple(jax.device_put(x, pools) for x in self.cache.k_pages),
+                v_pages=tuple(jax.device_put(x, pools) for x in self.cache.v_pages),
+                k_scale=jax.device_put(self.cache.k_scale, replicated),
+                v_scale=jax.device_put(self.cache.v_scale, replicated), heads=self.heads)
         if config.record_routing and not moe_layers(model_config):
             raise ValueError("EngineConfig.record_routing needs an MoE model; this config has no MoE layer "
                              "(num_experts = 0)")
@@ -179,15 +211,42 @@ class JaxEngine:
 
     def update_weights(self, params: Any) -> None:
         """Swaps in new parameters (re-quantized to FP8 when the engine runs W8A8); FP8 KV scales
-        become stale and are recalibrated (or must be synced) before the next generation."""
-        self.params = self._quantize(params) if self._quantize is not None else params
+        become stale and are recalibrated (or must be synced) before the next generation. With a
+        mesh, the params are first resharded into the generator's layout (``last_sync`` times it)."""
+        if self.mesh is None:
+            self.params = self._quantize(params) if self._quantize is not None else params
+        else:
+            self.params = self._sharded_update(params)
         self.kv_scales_fresh = False
+
+    def _sharded_update(self, params: Any) -> Any:
+        import time
+
+        from fp8rl_jax.parallel import ShardingPreset, param_shardings
+
+        preset = ShardingPreset.TENSOR_PARALLEL
+        t0 = time.perf_counter()
+        placed = jax.block_until_ready(
+            jax.device_put(params, param_shardings(params, self.model_config, self.mesh, preset)))
+        t1 = time.perf_counter()
+        out = placed
+        if self._quantize is not None:
+            if not isinstance(self._quantize, _ShardedQuantize):
+                abstract = jax.eval_shape(self._quantize, placed)
+                out_sh = param_shardings(abstract, self.model_config, self.mesh, preset)
+                self._quantize = _ShardedQuantize(jax.jit(self._quantize, out_shardings=out_sh))
+            out = jax.block_until_ready(self._quantize.fn(placed))
+        self.last_sync = {"reshard_s": t1 - t0, "quantize_s": time.perf_counter() - t1}
+        return out
 
     def set_kv_scales(self, k_scale: Any, v_scale: Any) -> None:
         """Trainer-side FP8 KV scales ([L] float32 each, from ``calibrate_kv_scales``)."""
         L = self.model_config.num_layers
         # copies: the cache is donated to the device steps, and the caller keeps its arrays
         k_scale, v_scale = jnp.array(k_scale, jnp.float32, copy=True), jnp.array(v_scale, jnp.float32, copy=True)
+        if self.mesh is not None:  # every device of the mesh reads them
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            k_scale, v_scale = jax.device_put(k_scale, replicated), jax.device_put(v_scale, replicated)
         if k_scale.shape != (L,) or v_scale.shape != (L,):
             raise ValueError(f"KV scales must have shape ({L},), got {k_scale.shape} and {v_scale.shape}")
         if not (bool(jnp.all(jnp.isfinite(k_scale)) & jnp.all(k_scale > 0))
@@ -427,6 +486,30 @@ class JaxEngine:
         r.logprobs.append(lp)
         if code:
             r.finish = _FINISH_CODES[code]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardedQuantize:
+    fn: Any  # quantize_params jitted with the generator layout's output shardings
+
+
+def _head_sharding(mesh: jax.sharding.Mesh, cfg: ModelConfig) -> HeadSharding:
+    """The tensor axis of a generator mesh, checked: whole query and kv heads per device, and no
+    other axis of size > 1 (data-parallel replicas are separate engines)."""
+    from fp8rl_jax.parallel import MeshAxis
+
+    axis = MeshAxis.TENSOR.value
+    if axis not in mesh.shape:
+        raise ValueError(f"a generator mesh needs a {axis!r} axis; got axes {dict(mesh.shape)}")
+    others = {a: n for a, n in mesh.shape.items() if a != axis and n > 1}
+    if others:
+        raise ValueError(f"a generator mesh shards over {axis!r} only; got {others} as well (data-parallel "
+                         f"rollout = one engine per replica, each on its own sub-mesh)")
+    tp = mesh.shape[axis]
+    if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+        raise ValueError(f"tensor = {tp} must divide the query heads ({cfg.num_heads}) and the kv heads "
+                         f"({cfg.num_kv_heads}): each device holds whole heads and their KV")
+    return HeadSharding(mesh, axis)
 
 
 # --------------------------------------------------------------------------- jitted device steps
