@@ -29,9 +29,14 @@ demo: $(VENV)/.installed
 # XLA's CPU compile, not the run, dominates most tests; LLVM's backend optimizations off cut the
 # suite's CPU time by about a quarter (measured) and do not change results (every test compares
 # programs compiled the same way, or with a reference tolerance). The demo keeps the default.
+# Many tests compile the same programs in several processes (xdist workers, the 8-device and
+# kill/resume children, experiment workers): JAX's persistent compilation cache, fresh per run,
+# lets them share compilations (programs compiled in > 0.5 s).
+TEST_CACHE := $(shell mktemp -d -u /tmp/fp8rl-jax-cache.XXXXXX)
 test: $(VENV)/.installed $(REF)/.installed
 	XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" FP8RL_REF_PYTHON=$(abspath $(REF))/bin/python \
-		$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests
+		JAX_COMPILATION_CACHE_DIR=$(TEST_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5 \
+		$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests; status=$$?; rm -rf $(TEST_CACHE); exit $$status
 
 clean:
 	rm -rf $(VENV) $(REF) runs

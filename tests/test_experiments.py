@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from configs.models import tiny_qwen3, tiny_qwen3_moe
 from fp8rl_jax.models import Fp8Mode
 
@@ -49,10 +51,10 @@ def test_bench_rl_step_tiny(tmp_path):
     bench = _load("bench_rl_step")
     cfg = bench.parse_args(["--preset", "tiny_qwen3", "--layers", "1", "--prompts", "2", "--samples", "2",
                             "--prompt-len", "6", "--max-new", "4", "--steps", "2", "--micro-batches", "2",
-                            "--kv-gib", "0.01", "--max-slots", "4", "--arms", "all:bf16", "none:fp8",
+                            "--kv-gib", "0.01", "--max-slots", "4", "--arms", "all:fp8",
                             "--out", str(tmp_path / "rl.json")])
     res = bench.main(cfg, runs_dir=tmp_path / "runs")
-    assert [a["arm"] for a in res["arms"]] == ["all:bf16", "none:fp8"] and (tmp_path / "rl.json").exists()
+    assert [a["arm"] for a in res["arms"]] == ["all:fp8"] and (tmp_path / "rl.json").exists()
     for a in res["arms"]:
         assert len(a["steps"]) == 2 and 0 < a["generated_tokens_per_step"] <= 2 * 2 * 4
         stages = sum(a["steps"][1][k] for k in bench.STAGES)
@@ -61,3 +63,6 @@ def test_bench_rl_step_tiny(tmp_path):
     assert bench.parity_reward("2 4", "") == 1.0 and bench.parity_reward("2 3", "") == 0.0
     assert bench.parity_reward("", "") == 0.0
     assert bench.Arm.parse("kv:fp8") == bench.Arm(bench.Fp8Mode.KV, True)
+    assert bench.Arm.parse("none") == bench.Arm(bench.Fp8Mode.NONE, False)
+    with pytest.raises(ValueError, match="bf16 or fp8"):
+        bench.Arm.parse("all:fp16")

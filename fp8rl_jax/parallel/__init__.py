@@ -1,7 +1,14 @@
 """Scale-out on JAX's own sharding: a named device mesh, logical axes for every parameter, presets
 mapping them to mesh axes (data, FSDP, tensor, expert parallel) and the trainer's step jitted on
-the mesh (``mesh.py``, ``rules.py``, ``train.py``; design notes in each)."""
+the mesh (``mesh.py``, ``rules.py``, ``train.py``; design notes in each), and the multi-host
+start from environment variables (``distributed.py``)."""
 
+from fp8rl_jax.parallel.distributed import (
+    DistributedConfigError,
+    DistributedSettings,
+    initialize_distributed,
+    settings_from_env,
+)
 from fp8rl_jax.parallel.mesh import (
     BATCH_AXES,
     MESH_AXES,
@@ -45,6 +52,8 @@ from fp8rl_jax.parallel.train import (
 
 __all__ = [
     "BATCH_AXES",
+    "DistributedConfigError",
+    "DistributedSettings",
     "EXPERT_RULES",
     "FSDP_PRIORITY",
     "FSDP_RULES",
@@ -66,6 +75,7 @@ __all__ = [
     "batch_sharding",
     "batch_spec",
     "follow_params",
+    "initialize_distributed",
     "logical_axes",
     "make_mesh",
     "make_sharded_train_step",
@@ -74,6 +84,7 @@ __all__ = [
     "param_axes",
     "param_shardings",
     "plan_params",
+    "settings_from_env",
     "shard_params",
     "shard_train_state",
     "spec_for",
