@@ -66,3 +66,28 @@ def test_bench_rl_step_tiny(tmp_path):
     assert bench.Arm.parse("none") == bench.Arm(bench.Fp8Mode.NONE, False)
     with pytest.raises(ValueError, match="bf16 or fp8"):
         bench.Arm.parse("all:fp16")
+
+
+def test_bench_scaling_tiny_on_two_cpu_devices(tmp_path):
+    """The 1-vs-2-device benchmark (TP generator, FSDP train step, FSDP -> TP sync) runs end to end
+    on two CPU devices (a child process: the device count is fixed when JAX starts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "scaling.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()}
+    proc = subprocess.run([sys.executable, str(repo / "experiments" / "bench_scaling.py"), "--preset", "tiny_qwen3",
+                           "--tiny", "--out", str(out)], env=env, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["environment"]["devices"] == 2
+    g = res["generator"]
+    assert g["tp1"]["tokens_per_s"] > 0 and g["tp2"]["tokens_per_s"] > 0
+    assert abs(g["tp2"]["kv_pages"] - 2 * g["tp1"]["kv_pages"]) <= 1  # the KV budget is per device
+    assert res["train_1dev"]["step_s"] > 0 and res["train_fsdp2"]["step_s"] > 0
+    assert set(res["sync_fsdp2_to_tp2"]) == {"reshard_ms", "quantize_ms"}
