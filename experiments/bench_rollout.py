@@ -162,6 +162,8 @@ if __name__ == "__main__":
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
     ap.add_argument("--modes", nargs="*", choices=[m.value for m in Fp8Mode], default=[m.value for m in Fp8Mode])
     ap.add_argument("--kv-gib", type=float, default=BenchConfig.engine.kv_budget_gib)
+    ap.add_argument("--kv-fraction", type=float, default=0.0,
+                    help="KV pool = this fraction of the device memory left after the weights (overrides --kv-gib)")
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
     ap.add_argument("--steps-per-call", type=int, default=BenchConfig.engine.steps_per_call)
     ap.add_argument("--prefill-batch", type=int, default=BenchConfig.engine.prefill_batch)
@@ -176,6 +178,7 @@ if __name__ == "__main__":
     sizing = dict(max_seq_len=w.prompt_len + w.max_new, steps_per_call=a.steps_per_call, prefill_batch=a.prefill_batch)
     if small:
         sizing.update(max_seq_len=64, steps_per_call=4, dtype="float32")
-    engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, max_slots=a.max_slots, **sizing)
+    engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
+                                 max_slots=a.max_slots, **sizing)
     main(BenchConfig(model=PRESETS[a.preset], workload=w,
                      modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine, out=a.out))

@@ -153,6 +153,34 @@ def test_kv_budget_in_gib_and_fp8_weights():
     assert out.lengths.tolist() == [7] and np.all(out.logprobs[0] <= 0)
 
 
+def test_kv_budget_as_a_fraction_of_free_device_memory(monkeypatch):
+    """``kv_budget_fraction``: the pool takes that share of what the allocator can still give
+    (limit minus in use, the weights placed first), the emptiest device deciding; a backend without
+    memory statistics (this CPU) is a clear error."""
+    cfg = tiny_qwen3
+    params = init_params(cfg, jax.random.key(5), jnp.float32)
+    frac = dataclasses.replace(F32, num_pages=0, kv_budget_fraction=0.5)
+    with pytest.raises(ValueError, match="kv_budget_fraction needs a backend that reports device memory"):
+        JaxEngine(cfg, params, frac)
+
+    class Dev:
+        platform = "gpu"
+
+        def __init__(self, limit, used):
+            self.stats = {"bytes_limit": limit, "bytes_in_use": used}
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(JaxEngine, "_memory_devices", lambda self: [Dev(2**22, 2**20), Dev(2**22, 2**21)])
+    eng = JaxEngine(cfg, params, frac)
+    page_bytes = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert eng.num_pages == int(0.5 * (2**22 - 2**21) // page_bytes)  # the fuller device sets the budget
+    assert eng.generate([[1, 2, 3]], GREEDY).lengths.tolist() == [7]
+    with pytest.raises(ValueError, match="kv_budget_fraction must be in"):
+        dataclasses.replace(F32, kv_budget_fraction=1.5)
+
+
 def _trained_like(cfg, seed):
     params = init_params(cfg, jax.random.key(seed), jnp.float32)
     return jax.tree.map(lambda w: w * 50 / np.sqrt(w.shape[-1]) if w.ndim >= 2 else w, params)

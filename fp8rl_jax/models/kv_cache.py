@@ -52,8 +52,9 @@ import jax.numpy as jnp
 from flax import struct
 
 import dataclasses
+import functools
 
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.attention import dot_attention
@@ -171,16 +172,28 @@ class PagedKVCache:
 
     @classmethod
     def init(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-             batch: int, max_pages: int, dtype, kernels: Kernels | None = None) -> "PagedKVCache":
+             batch: int, max_pages: int, dtype, kernels: Kernels | None = None,
+             heads: HeadSharding | None = None) -> "PagedKVCache":
+        """An empty cache; with ``heads`` the pools are allocated already split over kv heads (each
+        device only ever holds its share) and the scales replicated on the mesh."""
         shape = (num_pages, page_size, num_kv_heads, head_dim)
+        if heads is None:
+            pool = functools.partial(jnp.zeros, shape, dtype)
+            ones = functools.partial(jnp.ones, (num_layers,), jnp.float32)
+        else:
+            pool = jax.jit(functools.partial(jnp.zeros, shape, dtype),
+                           out_shardings=NamedSharding(heads.mesh, heads.pool_spec))
+            ones = jax.jit(functools.partial(jnp.ones, (num_layers,), jnp.float32),
+                           out_shardings=NamedSharding(heads.mesh, P()))
         return cls(
-            k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            k_scale=jnp.ones((num_layers,), jnp.float32),
-            v_scale=jnp.ones((num_layers,), jnp.float32),
+            k_pages=tuple(pool() for _ in range(num_layers)),
+            v_pages=tuple(pool() for _ in range(num_layers)),
+            k_scale=ones(),
+            v_scale=ones(),
             page_table=jnp.zeros((batch, max_pages), jnp.int32),
             lengths=jnp.zeros((batch,), jnp.int32),
             kernels=kernels,
+            heads=heads,
         )
 
     @property

@@ -59,6 +59,7 @@ class RolloutConfig:
     max_slots: int = 64
     page_size: int = 16
     kv_budget_gib: float = 1.0
+    kv_budget_fraction: float = 0.0  # > 0: this fraction of the device memory left after the weights (GPU)
     steps_per_call: int = 8
     prefill_batch: int = 16
 
@@ -69,6 +70,8 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.kv_budget_gib <= 0:
             raise ConfigError(f"rollout.kv_budget_gib must be > 0, got {self.kv_budget_gib}")
+        if not 0 <= self.kv_budget_fraction <= 1:
+            raise ConfigError(f"rollout.kv_budget_fraction must be in [0, 1], got {self.kv_budget_fraction}")
         try:
             self.sampling(0)
         except ValueError as e:
@@ -216,6 +219,7 @@ class RLConfig:
     def engine_config(self) -> EngineConfig:
         r = self.rollout
         return EngineConfig(max_slots=r.max_slots, page_size=r.page_size, kv_budget_gib=r.kv_budget_gib,
+                            kv_budget_fraction=r.kv_budget_fraction,
                             max_seq_len=r.max_seq_len, steps_per_call=r.steps_per_call,
                             prefill_batch=r.prefill_batch, precision=self.precision.rollout,
                             dtype=self.trainer.compute_dtype.value, kv_calibration=self.precision.kv_calibration)

@@ -86,7 +86,10 @@ class EngineConfig:
       max_slots: sequences decoded together (the decode batch).
       page_size: tokens per KV page.
       num_pages: pages in the pool; 0 derives it from ``kv_budget_gib``.
-      kv_budget_gib: KV pool size in GiB when ``num_pages`` is 0.
+      kv_budget_gib: KV pool size in GiB (per device) when ``num_pages`` is 0.
+      kv_budget_fraction: if > 0 (and ``num_pages`` is 0), the KV pool takes this fraction of the
+        device memory still free once the weights are placed (allocator limit minus bytes in
+        use; GPU only), instead of ``kv_budget_gib``. Leave room for activations: e.g. 0.85.
       max_seq_len: prompt + generated tokens per sequence (capped by the model's positions).
       steps_per_call: decode steps per host round trip.
       prefill_batch: prompts per prefill call.
@@ -108,6 +111,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int = 0
     kv_budget_gib: float = 1.0
+    kv_budget_fraction: float = 0.0
     max_seq_len: int = 4096
     steps_per_call: int = 8
     prefill_batch: int = 4
@@ -125,8 +129,10 @@ class EngineConfig:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_pages < 0 or (self.num_pages == 0 and self.kv_budget_gib <= 0):
-            raise ValueError("EngineConfig needs num_pages > 0 or kv_budget_gib > 0")
+        if self.num_pages < 0 or (self.num_pages == 0 and self.kv_budget_gib <= 0 and not self.kv_budget_fraction):
+            raise ValueError("EngineConfig needs num_pages > 0, kv_budget_gib > 0 or kv_budget_fraction > 0")
+        if not 0 <= self.kv_budget_fraction <= 1:
+            raise ValueError(f"EngineConfig.kv_budget_fraction must be in [0, 1], got {self.kv_budget_fraction}")
         if not isinstance(self.precision, Fp8Mode):
             raise ValueError(f"EngineConfig.precision must be an Fp8Mode, got {self.precision!r}")
         if not isinstance(self.kv_calibration, KvCalibration):
@@ -175,34 +181,47 @@ class JaxEngine:
         self.policy = W8A8Policy(config.dtype, group_size=block[1]) if fp8 else DensePolicy(config.dtype)
         self._quantize = jax.jit(functools.partial(quantize_params, config=model_config,
                                                    layer_policy=LayerPolicy(block_size=block))) if fp8 else None
-        kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.fp8_kv else jnp.dtype(config.dtype)
-        cfg = model_config
-        bytes_per_page = 2 * cfg.num_layers * config.page_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
-        tp = self.heads.size if self.heads is not None else 1  # the budget is per device; a page's heads are split
-        self.num_pages = config.num_pages or int(config.kv_budget_gib * 2**30 * tp // bytes_per_page)
-        if self.num_pages < 1:
-            raise ValueError(f"a KV budget of {config.kv_budget_gib} GiB holds no page of {bytes_per_page} bytes")
-        self.max_pages = math.ceil(self.max_seq_len / config.page_size)
-        self.cache = PagedKVCache.init(cfg.num_layers, self.num_pages, config.page_size, cfg.num_kv_heads,
-                                       cfg.head_dim, config.max_slots, self.max_pages, kv_dtype)
-        if self.heads is not None:
-            pools = jax.sharding.NamedSharding(mesh, self.heads.pool_spec)
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            self.cache = self.cache.replace(
-                k_pages=tuple(jax.device_put(x, pools) for x in self.cache.k_pages),
-                v_pages=tuple(jax.device_put(x, pools) for x in self.cache.v_pages),
-                k_scale=jax.device_put(self.cache.k_scale, replicated),
-                v_scale=jax.device_put(self.cache.v_scale, replicated), heads=self.heads)
         if config.record_routing and not moe_layers(model_config):
             raise ValueError("EngineConfig.record_routing needs an MoE model; this config has no MoE layer "
                              "(num_experts = 0)")
         self.params = None
-        self.update_weights(params)
+        self.update_weights(params)  # first: a fractional KV budget is taken from what the weights leave
+        kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.fp8_kv else jnp.dtype(config.dtype)
+        cfg = model_config
+        bytes_per_page = 2 * cfg.num_layers * config.page_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+        tp = self.heads.size if self.heads is not None else 1  # the budget is per device; a page's heads are split
+        budget = self._kv_budget_bytes()
+        self.num_pages = config.num_pages or int(budget * tp // bytes_per_page)
+        if self.num_pages < 1:
+            raise ValueError(f"a KV budget of {budget / 2**30:.3g} GiB holds no page of {bytes_per_page} bytes")
+        self.max_pages = math.ceil(self.max_seq_len / config.page_size)
+        self.cache = PagedKVCache.init(cfg.num_layers, self.num_pages, config.page_size, cfg.num_kv_heads,
+                                       cfg.head_dim, config.max_slots, self.max_pages, kv_dtype, heads=self.heads)
         self._static = dict(model_config=model_config, policy=self.policy, max_seq_len=self.max_seq_len,
                             record_routing=config.record_routing)
         self._routing_mismatches = 0
 
     # ----------------------------------------------------------------------- public interface
+
+    def _kv_budget_bytes(self) -> float:
+        """Per-device KV bytes: ``kv_budget_gib``, or ``kv_budget_fraction`` of the memory the
+        allocator can still give on the emptiest-to-be device (its limit minus what is in use,
+        the weights included)."""
+        frac = self.config.kv_budget_fraction
+        if not frac:
+            return self.config.kv_budget_gib * 2**30
+        free = []
+        for d in self._memory_devices():
+            stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+            if not stats or "bytes_limit" not in stats:
+                raise ValueError(f"EngineConfig.kv_budget_fraction needs a backend that reports device memory "
+                                 f"({d.platform} does not); set kv_budget_gib instead")
+            free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        return frac * min(free)
+
+    def _memory_devices(self) -> list:
+        """The devices the KV pool lives on (the mesh's, or the default device)."""
+        return list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
 
     @property
     def sequences_that_fit(self) -> int:
