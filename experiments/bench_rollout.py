@@ -13,6 +13,7 @@ Workloads (the ones vLLM was measured on, ../shared/vllm-h200/README.md):
 
     python experiments/bench_rollout.py --preset qwen3_8b --workload W1 --modes none all
     python experiments/bench_rollout.py --preset tiny_qwen3 --workload tiny   # CPU smoke run
+    python experiments/bench_rollout.py --backend vllm --preset qwen3_8b --workload W1 --modes none all   # vLLM, same workload
 
 Decode attention runs the Pallas paged-attention kernel on the GPU (``pallas_kernels.paged_attention``:
 only the pages below each row's length are read); prefill attention is still the jnp reference
@@ -30,6 +31,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +71,9 @@ class BenchConfig:
     modes: tuple[Fp8Mode, ...] = (Fp8Mode.NONE, Fp8Mode.W8A8, Fp8Mode.KV, Fp8Mode.ALL)
     engine: EngineConfig = EngineConfig(max_slots=256, page_size=16, kv_budget_gib=60.0, max_seq_len=8192 + 1024,
                                         steps_per_call=16, prefill_batch=8, dtype="bfloat16")
+    backend: str = "jax"  # or "vllm": the same workloads on VLLMGenerator
+    vllm: Any = None  # the VLLMConfig template of the vllm backend (model_path is filled in)
+    workdir: Path = Path("runs/bench_rollout")  # where the vllm backend writes its checkpoints
     out: Path | None = None
     seed: int = 0
 
@@ -126,6 +131,52 @@ def run_mode(cfg: BenchConfig, params, mode: Fp8Mode) -> dict:
     }
 
 
+def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> dict:
+    """The same workload on ``VLLMGenerator`` (vLLM 0.26 in this process): W8A8 modes start from our
+    block-FP8 checkpoint of the same random weights, the others from BF16; FP8 KV modes get
+    ``kv_cache_dtype="fp8"`` with our trainer-side KV scales. The weight sync is ``update_weights``
+    (our quantization + DLPack + vLLM's in-place reload)."""
+    from fp8rl_jax.checkpoint import save_checkpoint
+    from fp8rl_jax.models import calibrate_kv_scales
+    from fp8rl_jax.models.policy import DensePolicy
+    from fp8rl_jax.quant.policy import quantize_params
+    from fp8rl_jax.rollout import vllm_backend as vb
+
+    w8 = mode in (Fp8Mode.W8A8, Fp8Mode.ALL)
+    kv = mode in (Fp8Mode.KV, Fp8Mode.ALL)
+    folder = workdir / ("fp8" if w8 else "bf16")
+    if not (folder / "config.json").exists():
+        save_checkpoint(folder, jax.jit(quantize_params, static_argnums=1)(params, cfg.model) if w8 else params,
+                        cfg.model)
+    vcfg = dataclasses.replace(cfg.vllm, model_path=str(folder), kv_cache_dtype="fp8" if kv else "auto",
+                               start_format=vb.StartFormat.FP8_CHECKPOINT if w8 else vb.StartFormat.BF16,
+                               max_model_len=cfg.engine.max_seq_len)
+    gen = vb.VLLMGenerator(cfg.model, vcfg)
+    prompts, sampling = _requests(cfg.workload, cfg.model.vocab_size, cfg.seed)
+    gen.generate(prompts[: min(4, len(prompts))], [dataclasses.replace(s, max_tokens=4) for s in sampling[:4]])
+    t0 = time.perf_counter()
+    gen.update_weights(params)
+    if kv:
+        n = min(16, len(prompts))
+        toks = jnp.asarray(np.asarray(prompts[:n], np.int32))
+        k, v = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))(
+            params, toks, jnp.full((n,), toks.shape[1], jnp.int32), config=cfg.model,
+            policy=DensePolicy(cfg.engine.dtype))
+        gen.set_kv_scales(k, v)
+    sync_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    batch = gen.generate(prompts, sampling)
+    wall = time.perf_counter() - t0
+    generated = int(batch.lengths.sum())
+    row = {"mode": mode.value, "backend": "vllm", "generated_tokens": generated, "wall_s": wall,
+           "tokens_per_s": generated / wall, "weight_sync_ms": sync_ms, "preemptions": batch.preemptions,
+           "vllm": {"gpu_memory_utilization": vcfg.gpu_memory_utilization, "kv_cache_dtype": vcfg.kv_cache_dtype,
+                    "start_format": vcfg.start_format.value}}
+    del gen  # run one vLLM mode per process where memory is tight: vLLM frees its pools lazily
+    gc.collect()
+    return row
+
+
 def main(cfg: BenchConfig) -> dict:
     import flax
     import jaxlib
@@ -138,11 +189,13 @@ def main(cfg: BenchConfig) -> dict:
         "model": dataclasses.asdict(cfg.model),
         "workload": dataclasses.asdict(cfg.workload),
         "engine": {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(cfg.engine).items()},
+        "backend": cfg.backend,
         "runs": [],
     }
     for mode in cfg.modes:
         gc.collect()  # the previous mode's engine (and its KV pool) must be gone before the next one allocates
-        row = run_mode(cfg, params, mode)
+        row = (run_mode(cfg, params, mode) if cfg.backend == "jax"
+               else run_mode_vllm(cfg, params, mode, cfg.workdir))
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
         if cfg.out is not None:
@@ -168,8 +221,20 @@ if __name__ == "__main__":
     ap.add_argument("--steps-per-call", type=int, default=BenchConfig.engine.steps_per_call)
     ap.add_argument("--prefill-batch", type=int, default=BenchConfig.engine.prefill_batch)
     ap.add_argument("--prompts", type=int, default=0, help="use only the first N prompts of the workload (0: all)")
+    ap.add_argument("--backend", choices=("jax", "vllm"), default="jax",
+                    help="vllm: the same workloads on VLLMGenerator (needs the fp8rl_jax[vllm] extra and a GPU)")
+    ap.add_argument("--vllm-memory", type=float, default=0.6, help="vLLM's gpu_memory_utilization (vllm backend)")
+    ap.add_argument("--jax-memory", type=float, default=0.3, help="JAX's memory fraction next to vLLM (vllm backend)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    vllm_cfg = None
+    if a.backend == "vllm":  # before JAX touches the GPU: the memory split and vLLM's process settings
+        import os
+
+        from fp8rl_jax.rollout.vllm_backend import VLLMConfig
+
+        vllm_cfg = VLLMConfig(model_path="", gpu_memory_utilization=a.vllm_memory, jax_memory_fraction=a.jax_memory)
+        os.environ.update(vllm_cfg.memory_env())
     small = a.workload == "tiny"
     w = WORKLOADS[a.workload]
     if a.prompts:
@@ -180,5 +245,5 @@ if __name__ == "__main__":
         sizing.update(max_seq_len=64, steps_per_call=4, dtype="float32")
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
                                  max_slots=a.max_slots, **sizing)
-    main(BenchConfig(model=PRESETS[a.preset], workload=w,
-                     modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine, out=a.out))
+    main(BenchConfig(model=PRESETS[a.preset], workload=w, modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine,
+                     backend=a.backend, vllm=vllm_cfg, out=a.out))

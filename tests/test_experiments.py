@@ -30,6 +30,52 @@ def test_bench_rollout_tiny(tmp_path):
         assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0 and r["weight_sync_ms"] >= 0
 
 
+def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
+    """--backend vllm: each mode writes the checkpoint vLLM starts from (block FP8 for W8A8 modes,
+    BF16 otherwise; our loader reads it back), starts the generator with the matching settings,
+    syncs weights (and our KV scales for FP8 KV) and times the same workload. vLLM itself needs
+    a GPU: a stand-in generator records what the benchmark asks of it."""
+    import numpy as np
+
+    from fp8rl_jax.checkpoint import load_checkpoint
+    from fp8rl_jax.rollout import vllm_backend as vb
+    from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
+
+    calls = []
+
+    class FakeGenerator:
+        def __init__(self, model_config, config):
+            calls.append(("start", config.start_format, config.kv_cache_dtype, load_checkpoint(config.model_path)))
+
+        def generate(self, prompts, sampling):
+            n = [s.max_tokens for s in sampling]
+            return RolloutBatch(np.zeros((len(prompts), max(n)), np.int32), np.zeros((len(prompts), max(n)), np.float32),
+                                np.array(n, np.int32), [FinishReason.LENGTH] * len(prompts), 0)
+
+        def update_weights(self, params):
+            calls.append(("update",))
+
+        def set_kv_scales(self, k, v):
+            calls.append(("kv", np.asarray(k).shape))
+
+    monkeypatch.setattr(vb, "VLLMGenerator", FakeGenerator)
+    bench = _load("bench_rollout")
+    engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, kv_budget_gib=0.001, max_seq_len=64,
+                                 steps_per_call=4, dtype="float32")
+    template = vb.VLLMConfig(model_path="", gpu_memory_utilization=0.5, jax_memory_fraction=0.3)
+    res = bench.main(bench.BenchConfig(model=tiny_qwen3, workload=bench.WORKLOADS["tiny"],
+                                       modes=(Fp8Mode.NONE, Fp8Mode.ALL), engine=engine, backend="vllm",
+                                       vllm=template, workdir=tmp_path / "ckpt", out=tmp_path / "r.json"))
+    assert [r["mode"] for r in res["runs"]] == ["none", "all"] and res["backend"] == "vllm"
+    starts = [c for c in calls if c[0] == "start"]
+    assert [(c[1], c[2]) for c in starts] == [(vb.StartFormat.BF16, "auto"), (vb.StartFormat.FP8_CHECKPOINT, "fp8")]
+    assert starts[0][3].hf_config.get("quantization_config") is None
+    assert starts[1][3].hf_config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert ("kv", (tiny_qwen3.num_layers,)) in calls and calls.count(("update",)) == 2
+    for r in res["runs"]:
+        assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0 and r["backend"] == "vllm"
+
+
 def test_bench_gemm_says_it_needs_a_gpu(capsys):
     bench = _load("bench_gemm")
     assert bench.main([]) == 0

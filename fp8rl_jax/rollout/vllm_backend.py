@@ -17,7 +17,8 @@ torch's allocator) must stay within 1. Optionally vLLM sleeps between rollouts
 Weights
 -------
 Start: vLLM loads the block-FP8 folder written by ``fp8rl quantize`` (``StartFormat.FP8_CHECKPOINT``)
-or a BF16 folder quantized by vLLM at load time (``StartFormat.BF16_ONLINE``:
+or a BF16 folder served in BF16 (``StartFormat.BF16``, the BF16 rollout baseline), or a BF16 folder
+quantized by vLLM at load time (``StartFormat.BF16_ONLINE``:
 ``quantization="fp8_per_block"``, vLLM's own quantizer, not bit-identical to ours).
 ``update_weights(params)``: (FP8_CHECKPOINT) ``quantize_params`` (our fused Pallas kernel on the
 GPU) -> ``vllm_names.export_checkpoint`` with ``to_torch_tensor`` (zero-copy DLPack views, per-expert
@@ -27,7 +28,8 @@ in-process worker. That is vLLM 0.26's in-place reload (``v1/worker/gpu_model_ru
 layout, loaded through the model's own ``load_weights`` (which fuses q/k/v, gate/up and the experts
 at the offsets ``vllm_table`` states), then its ``process_weights_after_loading`` is redone (the
 scale layout of the GEMM kernel, DeepGEMM/CUTLASS repacking) and copied into the original storage,
-so captured CUDA graphs stay valid. BF16_ONLINE sends the BF16 weights and vLLM requantizes.
+so captured CUDA graphs stay valid. BF16 and BF16_ONLINE send the BF16 weights (BF16_ONLINE: vLLM
+requantizes them).
 
 KV scales: ``set_kv_scales(k, v)`` writes our per-layer scales (``calibrate_kv_scales``: dequant
 multipliers, ``x ~= q * s``, the convention of vLLM's ``_k_scale``) into every attention layer's
@@ -86,6 +88,7 @@ class StartFormat(enum.Enum):
 
     FP8_CHECKPOINT = "fp8_checkpoint"  # our block-FP8 folder; updates send our FP8 codes + scales
     BF16_ONLINE = "bf16_online"  # a BF16 folder, quantization="fp8_per_block"; updates send BF16
+    BF16 = "bf16"  # a BF16 folder served in BF16 (the BF16 rollout baseline); updates send BF16
 
 
 class SleepLevel(enum.Enum):
