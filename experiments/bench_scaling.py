@@ -103,7 +103,7 @@ def bench_generator(cfg: ScalingConfig, params, devices) -> dict:
         generated = cfg.prompts * cfg.max_new
         last = {}
 
-        def gen(e=engine):
+        def gen(e=engine, last=last):
             last["batch"] = e.generate(prompts, sampling)
 
         med, times = _median_s(gen, cfg.repeats)

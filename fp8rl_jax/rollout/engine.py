@@ -55,6 +55,7 @@ import dataclasses
 import enum
 import functools
 import math
+import time
 from typing import Any, Sequence
 
 import jax
@@ -201,12 +202,10 @@ class JaxEngine:
                             record_routing=config.record_routing)
         self._routing_mismatches = 0
 
-    # ----------------------------------------------------------------------- public interface
-
     def _kv_budget_bytes(self) -> float:
         """Per-device KV bytes: ``kv_budget_gib``, or ``kv_budget_fraction`` of the memory the
-        allocator can still give on the emptiest-to-be device (its limit minus what is in use,
-        the weights included)."""
+        allocator can still give (its limit minus what is in use, the weights included) on the
+        device of the pool's mesh that has the least of it."""
         frac = self.config.kv_budget_fraction
         if not frac:
             return self.config.kv_budget_gib * 2**30
@@ -222,6 +221,8 @@ class JaxEngine:
     def _memory_devices(self) -> list:
         """The devices the KV pool lives on (the mesh's, or the default device)."""
         return list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
+
+    # ----------------------------------------------------------------------- public interface
 
     @property
     def sequences_that_fit(self) -> int:
@@ -239,9 +240,7 @@ class JaxEngine:
         self.kv_scales_fresh = False
 
     def _sharded_update(self, params: Any) -> Any:
-        import time
-
-        from fp8rl_jax.parallel import ShardingPreset, param_shardings
+        from fp8rl_jax.parallel import ShardingPreset, param_shardings  # the parallel package imports the trainer
 
         preset = ShardingPreset.TENSOR_PARALLEL
         t0 = time.perf_counter()
