@@ -116,9 +116,22 @@ def run_mode(cfg: BenchConfig, params, mode: Fp8Mode) -> dict:
     mean_ctx = cfg.workload.prompt_len + float(batch.lengths.mean()) / 2
     slots = min(cfg.engine.max_slots, engine.num_pages * cfg.engine.page_size // int(mean_ctx + 1))
     step_bytes = _param_bytes(engine.params) + slots * mean_ctx * kv_token_bytes
+    st = engine.stats
+    steps = max(st["decode_steps"], 1)
+    step_s = st["decode_s"] / steps
+    measured_step_bytes = _param_bytes(engine.params) + st["decode_kv_tokens"] / steps * kv_token_bytes
     return {
         "mode": mode.value,
         "generated_tokens": generated,
+        "decode_step_ms": step_s * 1e3,
+        "decode_batch_mean": st["decode_slot_steps"] / steps,
+        "decode_s": st["decode_s"],
+        "prefill_s": st["prefill_s"],
+        "prefill_tokens": st["prefill_tokens"],
+        # weights + the KV actually read per decode step, over the measured step time (host
+        # round trips included: one per steps_per_call)
+        "decode_bytes_per_step": measured_step_bytes,
+        "decode_hbm_fraction": measured_step_bytes / max(step_s, 1e-12) / HBM_BPS,
         "wall_s": wall,
         "tokens_per_s": generated / wall,
         "weight_sync_ms": sync_ms,
@@ -202,10 +215,13 @@ def main(cfg: BenchConfig) -> dict:
             cfg.out.parent.mkdir(parents=True, exist_ok=True)
             cfg.out.write_text(json.dumps(results, indent=1) + "\n")
     base = next((r["tokens_per_s"] for r in results["runs"] if r["mode"] == "none"), None)
-    print("\n| mode | tokens/s | vs none | preemptions | weight sync ms |\n|---|---|---|---|---|")
+    print("\n| mode | tokens/s | vs none | preemptions | weight sync ms | decode step ms (batch) | of HBM roofline |"
+          "\n|---|---|---|---|---|---|---|")
     for r in results["runs"]:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"
-        print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} |")
+        step = (f"{r['decode_step_ms']:.2f} ({r['decode_batch_mean']:.0f}) | {r['decode_hbm_fraction']:.0%}"
+                if "decode_step_ms" in r else "n/a | n/a")
+        print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} | {step} |")
     return results
 
 

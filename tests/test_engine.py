@@ -153,6 +153,24 @@ def test_kv_budget_in_gib_and_fp8_weights():
     assert out.lengths.tolist() == [7] and np.all(out.logprobs[0] <= 0)
 
 
+def test_generate_reports_device_call_stats():
+    """``engine.stats`` of the last generate: prefill tokens are the prompts (no preemption here),
+    every generated token after a request's first came from a decode step of a running slot, and
+    the KV tokens read per step cover the contexts of the running rows."""
+    cfg = tiny_qwen3
+    eng = JaxEngine(cfg, init_params(cfg, jax.random.key(5), jnp.float32), F32)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    out = eng.generate(prompts, GREEDY)
+    st = eng.stats
+    assert out.preemptions == 0 and st["prefill_tokens"] == sum(map(len, prompts)) and st["prefill_calls"] == 2
+    assert st["decode_steps"] == st["decode_calls"] * F32.steps_per_call
+    assert st["decode_slot_steps"] >= int(out.lengths.sum()) - len(prompts)
+    assert st["decode_kv_tokens"] >= st["decode_slot_steps"] * min(map(len, prompts))
+    assert st["decode_s"] > 0 and st["prefill_s"] > 0
+    eng.generate(prompts[:1], GREEDY)
+    assert eng.stats["prefill_tokens"] == 3  # per generate, not cumulative
+
+
 def test_kv_budget_as_a_fraction_of_free_device_memory(monkeypatch):
     """``kv_budget_fraction``: the pool takes that share of what the allocator can still give
     (limit minus in use, the weights placed first), the emptiest device deciding; a backend without

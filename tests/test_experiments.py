@@ -28,6 +28,7 @@ def test_bench_rollout_tiny(tmp_path):
     assert out.exists() and [r["mode"] for r in res["runs"]] == ["none", "all"]
     for r in res["runs"]:
         assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0 and r["weight_sync_ms"] >= 0
+        assert r["decode_step_ms"] > 0 and 0 < r["decode_batch_mean"] <= 4 and r["decode_hbm_fraction"] > 0
 
 
 def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):

@@ -186,6 +186,7 @@ class JaxEngine:
             raise ValueError("EngineConfig.record_routing needs an MoE model; this config has no MoE layer "
                              "(num_experts = 0)")
         self.params = None
+        self.stats: dict[str, float] = {}  # of the last generate: device-call counts, seconds, tokens (``_run``)
         self.update_weights(params)  # first: a fractional KV budget is taken from what the weights leave
         kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.fp8_kv else jnp.dtype(config.dtype)
         cfg = model_config
@@ -354,6 +355,8 @@ class JaxEngine:
         queue = collections.deque(requests)
         self._preemptions = 0
         self._routing_mismatches = 0
+        self.stats = dict.fromkeys(("prefill_calls", "prefill_tokens", "prefill_s", "decode_calls", "decode_steps",
+                                    "decode_s", "decode_slot_steps", "decode_kv_tokens"), 0)
         slots: list[_Request | None] = [None] * B
         pages: list[list[int]] = [[] for _ in range(B)]
         free = list(range(self.num_pages - 1, -1, -1))
@@ -452,10 +455,12 @@ class JaxEngine:
             lengths[s] = 0
         sampling, stops, remaining = self._slot_arrays(reqs + [None] * (P - len(reqs)))
         self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
+        t0 = time.perf_counter()
         tok, lp, code, self.cache, routing = _prefill(self.params, self.cache, jnp.asarray(slot_ids),
                                                       jnp.asarray(tokens), jnp.asarray(num_new), sampling, stops,
                                                       remaining, **self._static)
         tok, lp, code = np.asarray(tok), np.asarray(lp), np.asarray(code)
+        self._count(prefill_calls=1, prefill_tokens=int(num_new.sum()), prefill_s=time.perf_counter() - t0)
         routing = None if routing is None else np.asarray(routing)
         for i, (s, r) in enumerate(zip(group, reqs)):
             lengths[s] = num_new[i]
@@ -479,10 +484,17 @@ class JaxEngine:
         last = np.array([r.context[-1] if r is not None else 0 for r in reqs], np.int32)
         active = np.array([r is not None for r in reqs])
         self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
+        t0 = time.perf_counter()
         toks, lps, codes, self.cache, routing = _decode(self.params, self.cache, jnp.asarray(last),
                                                         jnp.asarray(active), sampling, stops, remaining, steps=steps,
                                                         **self._static)
         toks, lps, codes = np.asarray(toks), np.asarray(lps), np.asarray(codes)
+        # KV tokens read: each row running at the call's start reads its whole context every step
+        # (a row that finishes inside the call stops growing, so its growth is slightly overcounted)
+        ctx = int(lengths[active].sum())
+        self._count(decode_calls=1, decode_steps=steps, decode_s=time.perf_counter() - t0,
+                    decode_slot_steps=int(active.sum()) * steps,
+                    decode_kv_tokens=steps * ctx + int(active.sum()) * steps * (steps + 1) // 2)
         routing = None if routing is None else np.asarray(routing)
         for s in range(B):
             r = reqs[s]
@@ -497,6 +509,10 @@ class JaxEngine:
                     r.routed += 1
                 self._append(r, int(toks[s, j]), float(lps[s, j]), int(codes[s, j]))
                 lengths[s] += 1
+
+    def _count(self, **amounts) -> None:
+        for k, v in amounts.items():
+            self.stats[k] += v
 
     @staticmethod
     def _append(r: _Request, tok: int, lp: float, code: int) -> None:
