@@ -259,6 +259,8 @@ if __name__ == "__main__":
     sizing = dict(max_seq_len=w.prompt_len + w.max_new, steps_per_call=a.steps_per_call, prefill_batch=a.prefill_batch)
     if small:
         sizing.update(max_seq_len=64, steps_per_call=4, dtype="float32")
+        if a.kv_gib == BenchConfig.engine.kv_budget_gib:  # the GPU default would not fit a CPU machine
+            a.kv_gib = 0.01
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
                                  max_slots=a.max_slots, **sizing)
     main(BenchConfig(model=PRESETS[a.preset], workload=w, modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine,
