@@ -72,9 +72,14 @@ def _child(out_path: str) -> None:
 
     def compare(name, got, ref, engine):
         (tg, lg, pg), (tr, lr, _) = got, ref
-        flat = [abs(a - b) for x, y in zip(lg, lr) for a, b in zip(x, y)]
-        results[name] = {"tokens_equal": tg == tr, "token_frac": float(np.mean([a == b for x, y in zip(tg, tr)
-                                                                                for a, b in zip(x, y)])),
+        # logprobs are compared where both runs produced the same tokens so far: after a token
+        # differs, a row continues a different sequence
+        flat, identical = [], 0
+        for x, y, lx, ly in zip(tg, tr, lg, lr):
+            n = next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+            identical += x == y
+            flat += [abs(a - b) for a, b in zip(lx[: n + 1], ly[: n + 1])]  # the first differing token too
+        results[name] = {"tokens_equal": tg == tr, "rows_identical": identical / len(tr),
                          "lp_err": max(flat) if flat else 0.0, "lp_err_mean": float(np.mean(flat)) if flat else 0.0,
                          "preemptions": int(pg),
                          "pool_spec": list(engine.cache.k_pages[0].sharding.spec),
@@ -110,7 +115,9 @@ def _child(out_path: str) -> None:
     # W8A8 + FP8 KV: shard-local quantization (same codes), FP8 rounding may flip a near-tie
     fp8 = dataclasses.replace(base, precision=Fp8Mode.ALL)
     eng = JaxEngine(CFG, params, fp8, mesh=mesh2)
-    compare("tp2_fp8_all", run(eng), run(JaxEngine(CFG, params, fp8)), eng)
+    fp8_single = run(JaxEngine(CFG, params, fp8))
+    compare("tp2_fp8_all", run(eng), fp8_single, eng)
+    compare("fp8_vs_float32", fp8_single, ref, eng)  # the scale of FP8's own perturbation
     q = eng.params["layers"][0]["mlp"]["gate_proj"]["weight"].get_value()
     results["tp2_fp8_all"]["quantized_and_split"] = isinstance(q, QuantizedWeight) and \
         q.q.sharding.spec == q.scale_inv.sharding.spec and q.q.addressable_shards[0].data.shape[0] == CFG.intermediate_size // 2
@@ -165,9 +172,13 @@ def test_fp8_tensor_parallel_generation(multi):
     assert rec["quantized_and_split"]
     # Same FP8 weight codes on every shard (bitwise: test_parallel.py); only float32 summation
     # order differs, and where it moves an activation across an FP8 rounding boundary (a 1/16
-    # step) that token's logprob moves by up to ~0.1 on this tiny, large-weight model (measured
-    # 0.13 once): nearly all tokens agree and the typical logprob is float32-close.
-    assert rec["token_frac"] >= 0.9 and rec["lp_err_mean"] < 1e-2 and rec["lp_err"] < 0.5, (multi["seed"], rec)
+    # step) the logprobs move (~1e-2 on average on this tiny, large-weight model; 0.13 at most
+    # seen), and rarely a near-tie flips a token (1 of 84 seen), after which that row continues
+    # another sequence. So: most rows identical, and over the tokens both runs share, sharding
+    # moves FP8's logprobs by well under what FP8 itself moves them from float32.
+    fp8 = multi["fp8_vs_float32"]["lp_err_mean"]
+    assert rec["rows_identical"] >= 0.5, (multi["seed"], rec)
+    assert rec["lp_err_mean"] < 0.5 * fp8, (multi["seed"], rec, fp8)
 
 
 def test_bad_generator_meshes_are_clear_errors(multi):
