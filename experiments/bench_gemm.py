@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fp8rl_jax.environment import run_environment  # noqa: E402
 from fp8rl_jax.quant import quantize_activations, quantize_weight_blockwise  # noqa: E402
 from pallas_kernels import fp8_gemm as gemm_kernel  # noqa: E402
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel  # noqa: E402
@@ -56,18 +55,7 @@ LARGE_M_CONFIGS = (gemm_kernel.GemmConfig(128, 128, 8, 3), gemm_kernel.GemmConfi
 
 
 def environment() -> dict:
-    import flax
-    import jaxlib
-
-    env = {
-        "device": jax.devices()[0].device_kind,
-        "backend": jax.default_backend(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "flax": flax.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    env = run_environment()
     try:
         import torch
 

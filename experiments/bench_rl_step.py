@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -41,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from fp8rl_jax.environment import run_environment  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from configs.rl import QUICKSTART  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, ModelConfig, count_params, init_params  # noqa: E402
@@ -186,17 +185,8 @@ def run_arm(cfg: BenchConfig, arm: Arm, out_dir: Path) -> dict:
     return summary
 
 
-def environment() -> dict:
-    import flax
-    import jaxlib
-
-    return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "flax": flax.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
 def main(cfg: BenchConfig, runs_dir: Path = Path("runs/bench_rl_step")) -> dict:
-    results = {"environment": environment(), "model": dataclasses.asdict(cfg.model),
+    results = {"environment": run_environment(), "model": dataclasses.asdict(cfg.model),
                "params": count_params(jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))),
                "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "arms", "out")},
                "arms": []}

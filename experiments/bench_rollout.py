@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
+import enum
 import gc
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -40,12 +39,20 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fp8rl_jax.environment import run_environment  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
 
 HBM_BPS = 4.3e12
+
+
+class Backend(enum.Enum):
+    """Which generator runs the workload."""
+
+    JAX = "jax"  # our JaxEngine
+    VLLM = "vllm"  # VLLMGenerator (vLLM 0.26 in this process; GPU and the fp8rl_jax[vllm] extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +78,7 @@ class BenchConfig:
     modes: tuple[Fp8Mode, ...] = (Fp8Mode.NONE, Fp8Mode.W8A8, Fp8Mode.KV, Fp8Mode.ALL)
     engine: EngineConfig = EngineConfig(max_slots=256, page_size=16, kv_budget_gib=60.0, max_seq_len=8192 + 1024,
                                         steps_per_call=16, prefill_batch=8, dtype="bfloat16")
-    backend: str = "jax"  # or "vllm": the same workloads on VLLMGenerator
+    backend: Backend = Backend.JAX
     vllm: Any = None  # the VLLMConfig template of the vllm backend (model_path is filled in)
     workdir: Path = Path("runs/bench_rollout")  # where the vllm backend writes its checkpoints
     out: Path | None = None
@@ -191,23 +198,18 @@ def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> dic
 
 
 def main(cfg: BenchConfig) -> dict:
-    import flax
-    import jaxlib
-
     params = jax.jit(lambda k: init_params(cfg.model, k, jnp.bfloat16))(jax.random.key(cfg.seed))
     results = {
-        "environment": {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-                        "jaxlib": jaxlib.__version__, "flax": flax.__version__, "python": platform.python_version(),
-                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+        "environment": run_environment(),
         "model": dataclasses.asdict(cfg.model),
         "workload": dataclasses.asdict(cfg.workload),
         "engine": {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(cfg.engine).items()},
-        "backend": cfg.backend,
+        "backend": cfg.backend.value,
         "runs": [],
     }
     for mode in cfg.modes:
         gc.collect()  # the previous mode's engine (and its KV pool) must be gone before the next one allocates
-        row = (run_mode(cfg, params, mode) if cfg.backend == "jax"
+        row = (run_mode(cfg, params, mode) if cfg.backend is Backend.JAX
                else run_mode_vllm(cfg, params, mode, cfg.workdir))
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
@@ -237,14 +239,14 @@ if __name__ == "__main__":
     ap.add_argument("--steps-per-call", type=int, default=BenchConfig.engine.steps_per_call)
     ap.add_argument("--prefill-batch", type=int, default=BenchConfig.engine.prefill_batch)
     ap.add_argument("--prompts", type=int, default=0, help="use only the first N prompts of the workload (0: all)")
-    ap.add_argument("--backend", choices=("jax", "vllm"), default="jax",
+    ap.add_argument("--backend", choices=[b.value for b in Backend], default=Backend.JAX.value,
                     help="vllm: the same workloads on VLLMGenerator (needs the fp8rl_jax[vllm] extra and a GPU)")
     ap.add_argument("--vllm-memory", type=float, default=0.6, help="vLLM's gpu_memory_utilization (vllm backend)")
     ap.add_argument("--jax-memory", type=float, default=0.3, help="JAX's memory fraction next to vLLM (vllm backend)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     vllm_cfg = None
-    if a.backend == "vllm":  # before JAX touches the GPU: the memory split and vLLM's process settings
+    if Backend(a.backend) is Backend.VLLM:  # before JAX touches the GPU: the memory split and vLLM's process settings
         import os
 
         from fp8rl_jax.rollout.vllm_backend import VLLMConfig
@@ -264,4 +266,4 @@ if __name__ == "__main__":
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
                                  max_slots=a.max_slots, **sizing)
     main(BenchConfig(model=PRESETS[a.preset], workload=w, modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine,
-                     backend=a.backend, vllm=vllm_cfg, out=a.out))
+                     backend=Backend(a.backend), vllm=vllm_cfg, out=a.out))

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from fp8rl_jax.environment import run_environment  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import DensePolicy, Fp8Mode, ModelConfig, init_params  # noqa: E402
 from fp8rl_jax.parallel import (MeshConfig, ShardingPreset, make_mesh, make_sharded_train_step,  # noqa: E402
@@ -176,16 +175,10 @@ def bench_trainer_and_sync(cfg: ScalingConfig, devices) -> dict:
 
 
 def main(cfg: ScalingConfig) -> dict:
-    import flax
-    import jaxlib
-
     devices = jax.devices()
     if len(devices) < 2:
         raise SystemExit("bench_scaling needs 2 devices (on the CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)")
-    results = {"environment": {"device": devices[0].device_kind, "devices": len(devices),
-                               "backend": jax.default_backend(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-                               "flax": flax.__version__, "python": platform.python_version(),
-                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+    results = {"environment": run_environment(),
                "config": {k: (str(v) if isinstance(v, (Path, Fp8Mode)) else v)
                           for k, v in dataclasses.asdict(cfg).items() if k != "model"},
                "model": dataclasses.asdict(cfg.model)}

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from fp8rl_jax.environment import run_environment  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import DensePolicy, ModelConfig, init_params  # noqa: E402
 from fp8rl_jax.quant.training import Fp8TrainPolicy  # noqa: E402
@@ -92,17 +91,11 @@ def time_policy(cfg: BenchConfig, params, batch: TrainBatch, policy) -> dict:
 
 
 def main(cfg: BenchConfig) -> dict:
-    import flax
-    import jaxlib
-
     params = init_params(cfg.model, jax.random.key(cfg.seed), jnp.float32)
     batch = _batch(cfg)
     policies = {"bf16": DensePolicy("bfloat16"), "fp8": Fp8TrainPolicy.for_model(cfg.model, "bfloat16")}
     results = {
-        "environment": {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-                        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-                        "python": platform.python_version(),
-                        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")},
+        "environment": run_environment(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items() if k != "model"},
         "model": dataclasses.asdict(cfg.model),
         "runs": {},

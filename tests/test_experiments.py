@@ -65,7 +65,7 @@ def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
                                  steps_per_call=4, dtype="float32")
     template = vb.VLLMConfig(model_path="", gpu_memory_utilization=0.5, jax_memory_fraction=0.3)
     res = bench.main(bench.BenchConfig(model=tiny_qwen3, workload=bench.WORKLOADS["tiny"],
-                                       modes=(Fp8Mode.NONE, Fp8Mode.ALL), engine=engine, backend="vllm",
+                                       modes=(Fp8Mode.NONE, Fp8Mode.ALL), engine=engine, backend=bench.Backend.VLLM,
                                        vllm=template, workdir=tmp_path / "ckpt", out=tmp_path / "r.json"))
     assert [r["mode"] for r in res["runs"]] == ["none", "all"] and res["backend"] == "vllm"
     starts = [c for c in calls if c[0] == "start"]

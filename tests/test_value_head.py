@@ -23,8 +23,8 @@ from configs.models import tiny_qwen3
 from fp8rl_jax.models import (
     DensePolicy,
     Fp8Mode,
+    bind,
     forward,
-    forward_with_hidden,
     init_params,
 )
 from fp8rl_jax.rl import config as rlconfig
@@ -268,7 +268,9 @@ def test_values_align_with_logprobs_and_grpo_outputs_are_unchanged():
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 9)), jnp.int32)
 
     def both(p, t):
-        logits, h = forward_with_hidden(p.model, t, config=cfg, policy=F32)
+        model = bind(p.model, cfg, F32)
+        h, _ = model.hidden_states(t)
+        logits = model.logits(h)
         return (logits, h, forward(p.model, t, config=cfg, policy=F32)[0],
                 token_logprobs_and_values(p, t, config=cfg, policy=F32),
                 token_logprobs(p.model, t, config=cfg, policy=F32)[0])

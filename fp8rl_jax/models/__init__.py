@@ -9,7 +9,6 @@ from fp8rl_jax.models.qwen3 import (
     bind,
     count_params,
     forward,
-    forward_with_hidden,
     graphdef,
     init_params,
 )
@@ -31,7 +30,6 @@ __all__ = [
     "calibrate_kv_scales",
     "count_params",
     "forward",
-    "forward_with_hidden",
     "graphdef",
     "init_params",
 ]

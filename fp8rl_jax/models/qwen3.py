@@ -19,8 +19,7 @@ MoE routing replay: ``forward_with_routing`` also returns the experts every toke
 experts instead of the router's top-k, with the gate weights still taken from the router's
 softmax (design note in ``forward_with_routing``). With ``routing=None`` nothing changes.
 
-The pure-function API at the bottom (``init_params``, ``abstract_params``, ``forward``,
-``forward_with_hidden`` for a value head on the trunk) is what
+The pure-function API at the bottom (``init_params``, ``abstract_params``, ``forward``) is what
 the rest of the stack uses: parameters are an ``nnx.State`` pytree; the graph definition is
 derived from (config, policy) and cached.
 """
@@ -415,27 +414,6 @@ def forward(
     an array), so each setting compiles once."""
     return bind(params, config, policy)(tokens, positions, attention_mask, cache, num_new, remat=remat,
                                         routing=routing)
-
-
-def forward_with_hidden(
-    params: nnx.State,
-    tokens: jax.Array,
-    *,
-    config: ModelConfig,
-    policy: MatmulPolicy = DensePolicy(),
-    positions: jax.Array | None = None,
-    attention_mask: jax.Array | None = None,
-    remat: bool = False,
-    routing: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """:func:`forward` (full sequence, no cache) that also returns the final hidden states:
-    ``(logits [B, T, V] float32, hidden [B, T, D])``, ``hidden`` the output of the final RMSNorm
-    in the compute dtype, i.e. exactly what the LM head reads (``logits = lm_head(hidden)``).
-    One forward serves the policy and a value head on the same trunk (``fp8rl_jax.rl.trainer``);
-    the logits are bitwise those of :func:`forward`."""
-    model = bind(params, config, policy)
-    h, _ = model.hidden_states(tokens, positions, attention_mask, remat=remat, routing=routing)
-    return model.logits(h), h
 
 
 def forward_with_routing(

@@ -182,6 +182,7 @@ class JaxEngine:
         self.policy = W8A8Policy(config.dtype, group_size=block[1]) if fp8 else DensePolicy(config.dtype)
         self._quantize = jax.jit(functools.partial(quantize_params, config=model_config,
                                                    layer_policy=LayerPolicy(block_size=block))) if fp8 else None
+        self._sharded_quantize = None  # with a mesh: _quantize jitted to the generator's layout
         if config.record_routing and not moe_layers(model_config):
             raise ValueError("EngineConfig.record_routing needs an MoE model; this config has no MoE layer "
                              "(num_experts = 0)")
@@ -250,11 +251,10 @@ class JaxEngine:
         t1 = time.perf_counter()
         out = placed
         if self._quantize is not None:
-            if not isinstance(self._quantize, _ShardedQuantize):
-                abstract = jax.eval_shape(self._quantize, placed)
-                out_sh = param_shardings(abstract, self.model_config, self.mesh, preset)
-                self._quantize = _ShardedQuantize(jax.jit(self._quantize, out_shardings=out_sh))
-            out = jax.block_until_ready(self._quantize.fn(placed))
+            if self._sharded_quantize is None:  # built once: the output layout is the generator's
+                out_sh = param_shardings(jax.eval_shape(self._quantize, placed), self.model_config, self.mesh, preset)
+                self._sharded_quantize = jax.jit(self._quantize, out_shardings=out_sh)
+            out = jax.block_until_ready(self._sharded_quantize(placed))
         self.last_sync = {"reshard_s": t1 - t0, "quantize_s": time.perf_counter() - t1}
         return out
 
@@ -520,11 +520,6 @@ class JaxEngine:
         r.logprobs.append(lp)
         if code:
             r.finish = _FINISH_CODES[code]
-
-
-@dataclasses.dataclass(frozen=True)
-class _ShardedQuantize:
-    fn: Any  # quantize_params jitted with the generator layout's output shardings
 
 
 def _head_sharding(mesh: jax.sharding.Mesh, cfg: ModelConfig) -> HeadSharding:
