@@ -1,20 +1,15 @@
-"""What every benchmark result records about where it ran: device, versions, date."""
+"""What every benchmark result records about where it ran: device, versions, date.
+
+``run_environment`` lives with the kernels (``pallas_kernels.common``, the lowest layer, whose
+own benchmarks write it too); the experiments add flax's version."""
 
 from __future__ import annotations
 
-import datetime
-import platform
-
-import jax
+from pallas_kernels.common import run_environment as _kernel_environment
 
 
 def run_environment(**extra) -> dict:
-    """``{"device", "devices", "backend", "jax", "jaxlib", "flax", "python", "date"}`` of this process
-    (date in UTC), plus ``extra``."""
+    """``pallas_kernels.common.run_environment`` plus the flax version, plus ``extra``."""
     import flax
-    import jaxlib
 
-    return {"device": jax.devices()[0].device_kind, "devices": jax.device_count(), "backend": jax.default_backend(),
-            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-            "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
+    return _kernel_environment(flax=flax.__version__, **extra)

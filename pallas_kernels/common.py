@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
+import json
+import platform
 import statistics
 import time
 
@@ -49,3 +52,21 @@ def replay_ms(fn, arg_sets, n_replays: int = 10) -> float:
         jax.block_until_ready(run(arg_sets))
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times) / len(arg_sets)
+
+
+def run_environment(**extra) -> dict:
+    """Where a benchmark ran: ``{"device", "devices", "backend", "jax", "jaxlib", "python", "date"}``
+    (date in UTC), plus ``extra``. Every result file under ``experiments/results/`` records it."""
+    import jaxlib
+
+    return {"device": jax.devices()[0].device_kind, "devices": jax.device_count(), "backend": jax.default_backend(),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
+
+
+def write_results(path, results: list) -> None:
+    """A kernel benchmark's rows as JSON with the environment (rewritten after every shape, so a
+    run cut short keeps what it measured)."""
+    with open(path, "w") as f:
+        json.dump({**run_environment(), "results": results}, f, indent=1)
+

@@ -45,14 +45,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import median_ms, resolve_interpret
+from pallas_kernels.common import median_ms, resolve_interpret, write_results
 from jax.experimental.pallas import triton as plgpu
 
 BK = 128  # K block = scale group width
@@ -306,9 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"M={m} N={n} K={k}: every config failed; XLA bf16 {tf_bf16:.1f} TFLOP/s", flush=True)
             results.append(row)
-            if args.out:  # rewritten after every shape, so a cut-short run keeps what it measured
-                with open(args.out, "w") as f:
-                    json.dump({"device": str(jax.devices()[0].device_kind), "results": results}, f, indent=1)
+            if args.out:
+                write_results(args.out, results)
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -77,7 +77,6 @@ import argparse
 import dataclasses
 import enum
 import functools
-import json
 import sys
 
 import jax
@@ -86,7 +85,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import replay_ms
+from pallas_kernels.common import replay_ms, write_results
 from pallas_kernels.fp8_gemm import BK, _check_operands, fp8_gemm_reference
 
 __all__ = [
@@ -459,9 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"M={m} N={n} K={k}: every config failed; XLA bf16 {tf_bf16:.1f} TFLOP/s", flush=True)
             results.append(row)
-            if args.out:  # rewritten after every shape, so a cut-short run keeps what it measured
-                with open(args.out, "w") as f:
-                    json.dump({"device": str(jax.devices()[0].device_kind), "results": results}, f, indent=1)
+            if args.out:
+                write_results(args.out, results)
     if args.out:
         print(f"wrote {args.out}")
     return 0

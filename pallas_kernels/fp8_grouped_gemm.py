@@ -82,7 +82,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import resolve_interpret
+from pallas_kernels.common import resolve_interpret, run_environment
 
 BK = 128  # K block = scale group width
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -435,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         n, k = BENCH_SHAPES[name]
         w = jax.random.normal(jax.random.fold_in(key, n * 7 + k), (BENCH_E, n, k), jnp.bfloat16) * 0.05
         weights[name] = (w, fp8_ref.quantize_weight_blockwise(w), fp8_ref.quantize_weight_blockwise(w[0]))
-    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "E": BENCH_E, "top_k": BENCH_TOP_K,
+    out = {**run_environment(), "E": BENCH_E, "top_k": BENCH_TOP_K,
            "timing": f"median of 10 replays of {args.reps} calls on distinct activations in one jit, per call",
            "results": [], "skipped": []}
 

@@ -76,7 +76,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 import time
 
@@ -86,7 +85,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import median_ms, resolve_interpret
+from pallas_kernels.common import median_ms, resolve_interpret, write_results
 
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), _FP8)
@@ -515,9 +514,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{dtype_name} B={batch} ctx={context}: every config failed", flush=True)
                 row["swept"] = not over and not args.quick
                 results.append(row)
-                if args.out:  # rewritten after every shape, so a cut-short run keeps what it measured
-                    with open(args.out, "w") as f:
-                        json.dump({"device": str(jax.devices()[0].device_kind), "results": results}, f, indent=1)
+                if args.out:
+                    write_results(args.out, results)
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -72,7 +72,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 import time
 
@@ -82,7 +81,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import resolve_interpret
+from pallas_kernels.common import resolve_interpret, write_results
 
 # the same pool/query dtypes, mask value, Triton tile minimum (M and N of a dot) and page/head
 # constraints as the decode kernel: both read the one paged cache
@@ -553,9 +552,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {dtype_name} B={batch}: every config failed", flush=True)
             row["swept"] = not over and not args.quick
             results.append(row)
-            if args.out:  # rewritten after every shape, so a cut-short run keeps what it measured
-                with open(args.out, "w") as f:
-                    json.dump({"device": str(jax.devices()[0].device_kind), "results": results}, f, indent=1)
+            if args.out:
+                write_results(args.out, results)
     if args.out:
         print(f"wrote {args.out}")
     return 0

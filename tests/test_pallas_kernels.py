@@ -280,3 +280,23 @@ def test_configs_are_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.block_n = 256  # type: ignore[misc]
     assert hash(fg.GemmConfig()) == hash(fg.GemmConfig())
+
+
+def test_benchmark_results_record_where_they_ran(tmp_path):
+    """Kernel benchmarks (``write_results``) and experiments (``fp8rl_jax.environment``) record the
+    device, the versions and the date next to their rows."""
+    import datetime
+    import json
+
+    import flax
+
+    from fp8rl_jax.environment import run_environment
+    from pallas_kernels.common import write_results
+
+    write_results(tmp_path / "r.json", [{"ms": 1.0}])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["results"] == [{"ms": 1.0}] and saved["jax"] == jax.__version__
+    assert saved["device"] == jax.devices()[0].device_kind and saved["devices"] == jax.device_count()
+    assert datetime.datetime.fromisoformat(saved["date"]).tzinfo is not None
+    env = run_environment(run="x")
+    assert env["flax"] == flax.__version__ and env["run"] == "x" and env["jaxlib"] == saved["jaxlib"]
