@@ -158,6 +158,17 @@ class TestPagedAttentionInterpret:
                                    interpret=self.INTERPRET)
         np.testing.assert_array_equal(np.asarray(alone.astype(F32))[0], got[b])
 
+    @pytest.mark.parametrize("name", ["fp8-bf16q-G3-split", "f32-split4-ragged"])
+    def test_hnd_layout_equals_nhd(self, name):
+        """The same pages stored head-major ([P, K, page_size, H]) give the same bits."""
+        kw, lengths, cfg = CASES[name]
+        args, *_ = make_case(11, lengths, **kw)
+        q, kp, vp, ks, vs, table, lens = args
+        nhd = pa.paged_attention(*args, config=cfg, interpret=self.INTERPRET)
+        hnd = pa.paged_attention(q, jnp.transpose(kp, (0, 2, 1, 3)), jnp.transpose(vp, (0, 2, 1, 3)), ks, vs,
+                                 table, lens, config=cfg, interpret=self.INTERPRET, layout=pa.KvLayout.HND)
+        np.testing.assert_array_equal(np.asarray(hnd.astype(F32)), np.asarray(nhd.astype(F32)))
+
     def test_long_context_fp8_error_flat(self):
         """FP8 KV against float32 KV at 1k and 8k keys: the error does not grow with context.
 

@@ -34,6 +34,11 @@ pure-jnp reference gathers the row's pages and runs ``dot_attention``: CPU resul
 the reference's. ``Kernels.PALLAS`` forces the kernels (interpret mode off the GPU: tests);
 ``Kernels.REFERENCE`` never uses them.
 
+Write path: a decode step that runs the decode kernel also writes its token's key and value with
+the Pallas write kernel (``pallas_kernels.kv_write``: one program per row, pools aliased in place,
+FP8 cast in-kernel, bitwise the scatter); XLA's scatter measured 2.2 ms (BF16 pool) and 5.9 ms
+(FP8) per Qwen3-8B decode step at 256 rows on the H200. Prefill chunks keep the scatter.
+
 Tensor parallelism (``PagedKVCache.heads``, a static ``HeadSharding``, None on one device): the
 pools are sharded over their kv-head axis K on one mesh axis (the generator's tensor axis), the
 way the column-parallel q/k/v projections split heads, so each device stores and reads only its
@@ -59,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.attention import dot_attention
 from fp8rl_jax.quant.fp8 import saturating_cast
+from pallas_kernels import kv_write as kv_write_kernel
 from pallas_kernels import paged_attention as paged_kernel
 from pallas_kernels import prefill_attention as prefill_kernel
 
@@ -240,6 +246,17 @@ class PagedKVCache:
             return False
         return kernels is Kernels.PALLAS or prefill_kernel.supports(self.page_size, head_dim)
 
+    def _write_kernel(self, k, v, kp, vp, page, slot, layer: int):
+        """The decode step's write (one token per row) through the Pallas kernel, per head shard
+        under tensor parallelism; bitwise the scatter of the reference path."""
+        fn = kv_write_kernel.kv_write
+        if self.heads is not None:
+            rows = P(None, self.heads.axis, None)
+            fn = jax.shard_map(fn, mesh=self.heads.mesh, in_specs=(rows, rows, self.heads.pool_spec,
+                                                                   self.heads.pool_spec, P(), P(), P(), P()),
+                               out_specs=(self.heads.pool_spec, self.heads.pool_spec), check_vma=False)
+        return fn(k, v, kp, vp, page, slot, self.k_scale[layer], self.v_scale[layer])
+
     def attend(self, layer: int, q, k, v, num_new) -> tuple[jax.Array, "PagedKVCache"]:
         B, T = q.shape[:2]
         ps, max_pages = self.page_size, self.page_table.shape[1]
@@ -251,9 +268,12 @@ class PagedKVCache:
         page = jnp.where(real, page, self.num_pages)  # out of range: the scatter drops it
         slot = pos % ps
         kp, vp = self.k_pages[layer], self.v_pages[layer]
-        kp = kp.at[page, slot].set(self._store(k, self.k_scale[layer], kp.dtype), mode="drop")
-        vp = vp.at[page, slot].set(self._store(v, self.v_scale[layer], vp.dtype), mode="drop")
         K, H = kp.shape[2:]
+        if self._decode_kernel(T, H) and kv_write_kernel.supports(K, H):
+            kp, vp = self._write_kernel(k[:, 0], v[:, 0], kp, vp, page[:, 0], slot[:, 0], layer)
+        else:
+            kp = kp.at[page, slot].set(self._store(k, self.k_scale[layer], kp.dtype), mode="drop")
+            vp = vp.at[page, slot].set(self._store(v, self.v_scale[layer], vp.dtype), mode="drop")
         new = self.replace(k_pages=_replace_at(self.k_pages, layer, kp), v_pages=_replace_at(self.v_pages, layer, vp))
         if self._decode_kernel(T, H):
             # keys j <= lengths[b] (the new one included), as the reference's mask; scales only

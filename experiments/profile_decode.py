@@ -1,0 +1,218 @@
+"""Where a decode step's time goes: the engine's jitted decode loop at a fixed batch and context,
+timed, then traced with the JAX profiler and summed per GPU kernel.
+
+The engine's cache is filled with a ragged batch (row lengths uniform in [context / 2, context],
+pages shuffled through the pool; the pool's contents are whatever it holds, which does not change
+the work) and ``_decode`` runs ``steps`` steps per call exactly as ``JaxEngine.generate`` runs
+them. Reported per precision mode: ms per decode step (median of ``repeats`` calls), the HBM
+roofline of that step (weight bytes + KV bytes read, over 4.3 TB/s), and from one traced call
+the GPU time per kernel class (paged attention, GEMMs, sampling, the rest) and the idle gap.
+
+    python experiments/profile_decode.py --preset qwen3_8b --batch 256 --context 2048 --modes none all \\
+        --out $OUT/decode_profile.json
+    python experiments/profile_decode.py --preset tiny_qwen3 --batch 4 --context 64 --modes none   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from configs.models import PRESETS  # noqa: E402
+from fp8rl_jax.environment import run_environment  # noqa: E402
+from fp8rl_jax.models import Fp8Mode, init_params  # noqa: E402
+from fp8rl_jax.rollout import engine as engine_mod  # noqa: E402
+from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
+from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
+
+HBM_BPS = 4.3e12
+# kernel-name fragments -> class (first match wins; names are XLA fusions, cuBLAS kernels and our
+# Pallas kernels' names)
+CLASSES = (
+    ("paged_attention", "attention (paged decode kernel)"),
+    ("attention", "attention (other)"),
+    ("fp8_gemm", "FP8 GEMM (ours)"),
+    ("mosaic", "FP8 GEMM (ours)"),
+    ("quant", "activation quantization"),
+    ("gemm", "GEMM (cuBLAS)"),
+    ("nvjet", "GEMM (cuBLAS)"),
+    ("xmma", "GEMM (cuBLAS)"),
+    ("cutlass", "GEMM (cuBLAS)"),
+    ("sort", "sampling (sort)"),
+    ("threefry", "sampling (random bits)"),
+    ("random", "sampling (random bits)"),
+    ("reduce", "reductions"),
+    ("scatter", "KV write (scatter)"),
+    ("dynamic-update", "KV write (scatter)"),
+    ("dynamic_update", "KV write (scatter)"),
+)
+
+
+def classify(name: str) -> str:
+    low = name.lower()
+    for frag, cls in CLASSES:
+        if frag in low:
+            return cls
+    return "other fusions"
+
+
+def kernel_times(trace_dir: Path) -> tuple[dict[str, float], dict[str, float], float]:
+    """(us per class, us per kernel name, GPU busy span us) from the newest ``*.trace.json.gz``:
+    events of the trace's GPU-stream processes (any process whose name mentions a GPU / stream)."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rb") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names[e["pid"]] = str(e.get("args", {}).get("name", ""))
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    gpu_pids = {pid for pid, n in names.items() if "/device:GPU" in n}
+    # kernels sit on the "Stream #..." lines; the "XLA Ops" / "XLA Modules" lines repeat them by op
+    streams = {key for key, n in threads.items() if key[0] in gpu_pids and n.lower().startswith("stream")}
+    by_class: dict[str, float] = collections.defaultdict(float)
+    by_name: dict[str, float] = collections.defaultdict(float)
+    lo, hi = float("inf"), 0.0
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
+            continue
+        if streams and (e["pid"], e.get("tid")) not in streams:
+            continue
+        d = float(e.get("dur", 0.0))
+        by_class[classify(e["name"])] += d
+        by_name[e["name"]] += d
+        lo, hi = min(lo, float(e["ts"])), max(hi, float(e["ts"]) + d)
+    return dict(by_class), dict(by_name), (hi - lo if hi > lo else 0.0)
+
+
+def setup(engine: JaxEngine, batch: int, context: int, seed: int):
+    """Fills the engine's cache metadata with a ragged batch; returns the `_decode` arguments."""
+    rng = np.random.default_rng(seed)
+    ps = engine.config.page_size
+    lengths = rng.integers(context // 2, context + 1, batch).astype(np.int32)
+    need = -(-(lengths + engine.config.steps_per_call) // ps)
+    perm = rng.permutation(engine.num_pages).astype(np.int32)
+    table = np.zeros((batch, engine.max_pages), np.int32)
+    off = 0
+    for b in range(batch):
+        table[b, : need[b]] = perm[off : off + need[b]]
+        off += need[b]
+    engine.cache = engine.cache.replace(page_table=jnp.asarray(table), lengths=jnp.asarray(lengths))
+    reqs = [engine_mod._Request(b, [1] * int(lengths[b]), SamplingConfig(temperature=1.0, max_tokens=1 << 20,
+                                                                            ignore_eos=True, seed=b), ())
+            for b in range(batch)]
+    sampling, stops, remaining = engine._slot_arrays(reqs)
+    last = jnp.asarray(rng.integers(2, engine.model_config.vocab_size, batch).astype(np.int32))
+    active = jnp.ones((batch,), bool)
+    return lengths, (last, active, sampling, stops, remaining)
+
+
+def run_mode(args, params, mode: Fp8Mode) -> dict:
+    cfg = PRESETS[args.preset]
+    ps = 16
+    max_seq = args.context + args.steps * (args.repeats + 3) + ps
+    pages = args.batch * -(-max_seq // ps) + 8
+    ec = EngineConfig(max_slots=args.batch, page_size=ps, num_pages=pages, max_seq_len=max_seq,
+                      steps_per_call=args.steps, precision=mode, dtype=args.dtype)
+    engine = JaxEngine(cfg, params, ec)
+    lengths, rest = setup(engine, args.batch, args.context, args.seed)
+
+    def call():
+        out = engine_mod._decode(engine.params, engine.cache, *rest, steps=args.steps, **engine._static)
+        engine.cache = out[3]
+        return jax.block_until_ready(out[0])
+
+    t0 = time.perf_counter()
+    call()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    step_ms = statistics.median(times) / args.steps * 1e3
+    # roofline of one step at the mean context of the timed calls
+    kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if ec.fp8_kv else jnp.dtype(args.dtype)
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+    mean_ctx = float(lengths.mean()) + args.steps * (args.repeats + 1) / 2
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.params))
+    kv_bytes = args.batch * mean_ctx * kv_token
+    roof_ms = (weight_bytes + kv_bytes) / HBM_BPS * 1e3
+    row = {"mode": mode.value, "compile_s": compile_s, "call_s": times, "step_ms": step_ms,
+           "tokens_per_s": args.batch / step_ms * 1e3, "weight_gb": weight_bytes / 1e9, "kv_gb_per_step": kv_bytes / 1e9,
+           "roofline_step_ms": roof_ms, "hbm_fraction": roof_ms / step_ms}
+    if jax.default_backend() == "gpu" and not args.no_trace:
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                call()
+            by_class, by_name, span = kernel_times(Path(d))
+            if args.trace_out is not None:
+                args.trace_out.mkdir(parents=True, exist_ok=True)
+                for f in Path(d).rglob("*.trace.json.gz"):
+                    (args.trace_out / f"decode_{mode.value}.trace.json.gz").write_bytes(f.read_bytes())
+        steps = args.steps
+        row["trace"] = {
+            "per_step_us_by_class": {k: v / steps for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+            "gpu_busy_us_per_step": sum(by_class.values()) / steps,
+            "gpu_span_us_per_step": span / steps,
+            "top_kernels_us_per_step": {k: v / steps for k, v in
+                                        sorted(by_name.items(), key=lambda kv: -kv[1])[:25]},
+        }
+    print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
+    if "trace" in row:
+        t = row["trace"]
+        print(f"  GPU busy {t['gpu_busy_us_per_step'] / 1e3:.2f} ms/step of {step_ms:.2f} ms wall", flush=True)
+        for k, v in t["per_step_us_by_class"].items():
+            print(f"  {v / 1e3:8.3f} ms  {k}", flush=True)
+    del engine
+    return row
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen3_8b")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", nargs="*", default=["none", "all"], choices=[m.value for m in Fp8Mode])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--trace-out", type=Path, default=None, help="also keep each traced call's trace.json.gz here")
+    args = ap.parse_args(argv)
+    cfg = PRESETS[args.preset]
+    params = jax.jit(lambda k: init_params(cfg, k, jnp.dtype(args.dtype)))(jax.random.key(args.seed))
+    results = {"environment": run_environment(), "args": {k: str(v) for k, v in vars(args).items()},
+               "model": dataclasses.asdict(cfg), "runs": []}
+    for m in args.modes:
+        results["runs"].append(run_mode(args, params, Fp8Mode(m)))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
