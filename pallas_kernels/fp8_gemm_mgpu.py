@@ -77,7 +77,9 @@ import argparse
 import dataclasses
 import enum
 import functools
+import json
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +87,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import replay_ms, write_results
+from pallas_kernels.common import replay_ms, run_environment, write_results
 from pallas_kernels.fp8_gemm import BK, _check_operands, fp8_gemm_reference
 
 __all__ = [
@@ -181,25 +183,71 @@ SWEEP_CONFIGS = (  # all fit in shared memory with bf16 output
 )
 
 
-def default_config(m: int, n: int) -> MgpuGemmConfig:
-    """A config the shape can use: N-split CTAs (64 x 256) up to M = 2048 when N allows, else M-split 128 x 128."""
+# Decode-sized M (the rollout engine's slots): a weight is streamed once per CTA row of tiles, so
+# CTAs holding all M rows (128-row warpgroup tiles split along M, narrow N) read it once.
+DECODE_SWEEP_CONFIGS = (
+    DEFAULT_CONFIG,
+    DECODE_CONFIG,
+    MgpuGemmConfig(64, 64, MatmulDimension.N, 6),
+    MgpuGemmConfig(64, 64, MatmulDimension.N, 8),
+    MgpuGemmConfig(64, 64, MatmulDimension.M, 6),
+    MgpuGemmConfig(128, 64, MatmulDimension.M, 4),
+    MgpuGemmConfig(128, 64, MatmulDimension.M, 3),
+)
+
+# Measured tuning (``main --tuning-out``): per device kind, the fastest config of each (M bucket, N,
+# K) timed on it. `default_config` uses an entry only on the device kind it was measured on.
+TUNING_FILE = Path(__file__).with_name("fp8_gemm_mgpu_tuning.json")
+
+
+def _m_bucket(m: int) -> int:
+    return max(64, 1 << (max(m, 1) - 1).bit_length())
+
+
+@functools.cache
+def _tuning(device_kind: str) -> dict[tuple[int, int, int], MgpuGemmConfig]:
+    if not TUNING_FILE.exists():
+        return {}
+    table = json.loads(TUNING_FILE.read_text())
+    out = {}
+    for e in table.get("entries", []):
+        if e.get("device_kind") != device_kind:
+            continue
+        c = dict(e["config"])
+        for f in ("wg_dimension", "grid_minor_dim"):
+            c[f] = MatmulDimension[c[f]]
+        out[(int(e["m_bucket"]), int(e["n"]), int(e["k"]))] = MgpuGemmConfig(**c)
+    return out
+
+
+def _device_kind() -> str:
+    return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "cpu"
+
+
+def default_config(m: int, n: int, k: int | None = None) -> MgpuGemmConfig:
+    """The measured best for this (M bucket, N, K) on this device kind (`TUNING_FILE`), else: N-split
+    CTAs (64 x 256) up to M = 2048 when N allows, else M-split 128 x 128."""
+    if k is not None:
+        tuned = _tuning(_device_kind()).get((_m_bucket(m), n, k))
+        if tuned is not None and n % tuned.cta_tile_n == 0:
+            return tuned
     if m <= 2048 and n % DECODE_CONFIG.cta_tile_n == 0:
         return DECODE_CONFIG
     return DEFAULT_CONFIG
 
 
-# Dispatchers send shapes with fewer K blocks to the Triton kernel. Measured natively on the H200
-# (session 3, experiments/device/mgpu_diag.py and train_diag.py): K = 128 and 256 came out 1.2e-4
-# off the reference in float32 where K >= 512 gave 6e-8, and one K = 256 input of the FP8 training
-# test came out 3.7e-2 off, deterministically; interpret mode agrees at every K. Not yet
-# understood; no Qwen3 linear has K < 1024, so nothing fast is lost while it is open.
-MIN_K_BLOCKS = 4
+# Fewest K blocks dispatchers send here. Session 3 saw one K = 256 input 3.7e-2 off and raised this
+# to 4; session 4 traced that to the jitted *reference* on XLA:GPU, which had dropped its FP8
+# rounding (`fp8rl_jax.quant.fp8.codes_to_float32`), not to this kernel: natively it is 1.3e-4 off
+# float64 at K = 256 and at K = 512 alike (Hopper's FP8 wgmma accumulation within a K block;
+# experiments/device/train_k256_diag.py).
+MIN_K_BLOCKS = 1
 
 
 def supports(m: int, n: int, k: int, config: MgpuGemmConfig | None = None) -> bool:
     """Whether dispatchers should use `fp8_gemm_mgpu` for this shape: K a multiple of 128 with at
     least ``MIN_K_BLOCKS`` blocks, N a multiple of the CTA tile width."""
-    config = default_config(m, n) if config is None else config
+    config = default_config(m, n, k) if config is None else config
     return k % BK == 0 and k >= MIN_K_BLOCKS * BK and n % config.cta_tile_n == 0
 
 
@@ -353,7 +401,7 @@ def fp8_gemm_mgpu(
         ``N % config.cta_tile_n == 0``.
       b_scale_inv: float32 ``[N/128, K/128]`` 128x128 block scales.
       out_dtype: bfloat16 (default), float16 or float32.
-      config: tiling (`MgpuGemmConfig`); None picks `default_config(M, N)`.
+      config: tiling (`MgpuGemmConfig`); None picks `default_config(M, N, K)`.
       interpret: None runs natively on a GPU backend and in Mosaic GPU interpret mode otherwise;
         True/False force it; a ``plgpu.InterpretGPUParams`` (e.g. ``detect_races=True``) interprets with it.
 
@@ -364,7 +412,7 @@ def fp8_gemm_mgpu(
     m, k = a.shape
     n = b.shape[0]
     if config is None:
-        config = default_config(m, n)
+        config = default_config(m, n, k)
     if not isinstance(config, MgpuGemmConfig):
         raise ValueError(f"config must be a MgpuGemmConfig or None, got {type(config).__name__}")
     if k % BK:
@@ -401,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write results as JSON to this path")
     parser.add_argument("--m", type=int, nargs="*", default=list(BENCH_M), help="M values (default: all)")
     parser.add_argument("--no-triton", action="store_true", help="skip timing the Triton fp8_gemm baseline")
+    parser.add_argument("--nk", type=int, nargs="*", default=None,
+                        help="N K pairs, flattened (default: the Qwen3-8B shapes)")
+    parser.add_argument("--decode-sweep", action="store_true", help="sweep DECODE_SWEEP_CONFIGS instead")
+    parser.add_argument("--tuning-out", default=None,
+                        help="write the best config per (M bucket, N, K) on this device kind as a tuning table "
+                             f"(the library reads {TUNING_FILE.name} next to this file)")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print(f"fp8_gemm_mgpu benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); nothing to do.")
@@ -411,7 +465,10 @@ def main(argv: list[str] | None = None) -> int:
 
     key = jax.random.key(0)
     results = []
-    for n, k in BENCH_NK:
+    nk = BENCH_NK if args.nk is None else tuple(zip(args.nk[::2], args.nk[1::2]))
+    configs = DECODE_SWEEP_CONFIGS if args.decode_sweep else SWEEP_CONFIGS
+    entries = []
+    for n, k in nk:
         for m in args.m:
             # R distinct input sets per timed replay (replay_ms): ~2 GB of FP8 operands, 2 to 16 sets.
             R = int(min(16, max(2, 2e9 // (m * k + n * k))))
@@ -426,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             ref = fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32)
             row = {"M": m, "N": n, "K": k, "input_sets": R, "configs": []}
             best = None
-            for cfg in SWEEP_CONFIGS:
+            for cfg in configs:
+                if n % cfg.cta_tile_n:
+                    continue
                 try:
                     # bf16 out (what is timed): some sweep configs do not fit f32 epilogue buffers in SMEM.
                     out = fp8_gemm_mgpu(qa, sa, qw.q, qw.scale_inv, config=cfg, interpret=False).astype(jnp.float32)
@@ -438,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 tf = flop / (ms * 1e-3) / 1e12
                 row["configs"].append({"config": _config_dict(cfg), "ms": ms, "tflops": tf, "max_rel_err_bf16_out": err,
-                                       "is_default": cfg == default_config(m, n)})
+                                       "is_default": cfg == default_config(m, n, k)})
                 if best is None or ms < best[1]:
                     best = (cfg, ms, tf, err)
             ms_bf16 = replay_ms(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16), list(zip(xs, ws)))
@@ -451,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                 triton = f" | Triton fp8_gemm {row['triton_fp8_gemm_default']['tflops']:7.1f}"
             if best is not None:
                 row["best"] = {"config": _config_dict(best[0]), "ms": best[1], "tflops": best[2], "max_rel_err_bf16_out": best[3]}
+                entries.append({"device_kind": _device_kind(), "m_bucket": _m_bucket(m), "n": n, "k": k,
+                                "config": _config_dict(best[0]), "ms": best[1], "tflops": best[2]})
                 c = best[0]
                 print(f"M={m:5d} N={n:5d} K={k:5d}: mgpu fp8 {best[2]:7.1f} TFLOP/s ({best[1]:.3f} ms, tm={c.tile_m} "
                       f"tn={c.tile_n} wg={c.wg_dimension.name} s={c.max_concurrent_steps} minor={c.grid_minor_dim.name} "
@@ -460,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             if args.out:
                 write_results(args.out, results)
+    if args.tuning_out:
+        Path(args.tuning_out).write_text(json.dumps({"environment": run_environment(), "entries": entries}, indent=1)
+                                         + "\n")
+        print(f"wrote {args.tuning_out}")
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -30,6 +30,7 @@ M_SPLIT = MgpuGemmConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M, 
 N_SPLIT = MgpuGemmConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.N, max_concurrent_steps=2, num_sms=2)
 N_SPLIT_64 = MgpuGemmConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N, max_concurrent_steps=3, num_sms=3)
 TILE_M_128 = MgpuGemmConfig(tile_m=128, tile_n=128, wg_dimension=MatmulDimension.N, max_concurrent_steps=2, num_sms=2)
+DECODE_256x64 = MgpuGemmConfig(tile_m=128, tile_n=64, wg_dimension=MatmulDimension.M, max_concurrent_steps=3, num_sms=2)
 
 
 def _operands(m: int, n: int, k: int, seed: int):
@@ -69,6 +70,7 @@ class TestInterpret:
             (200, 256, 128, M_SPLIT),  # partial M (padded), 4 tiles on 2 CTAs (persistent loop), 1 K block
             (64, 128, 384, N_SPLIT_64),  # tile_n=64: both warpgroups share one B scale block
             (128, 256, 256, TILE_M_128),  # tile_m=128 (two wgmma M=64 halves per warpgroup)
+            (256, 128, 384, DECODE_256x64),  # CTA 256 x 64: every decode row in one CTA, weight read once
         ],
     )
     def test_f32_matches_reference(self, m, n, k, config):
@@ -183,8 +185,8 @@ def test_default_config_choice():
     assert G.supports(64, 4096, 4096) and G.supports(64, 384, 4096)
     assert not G.supports(64, 4096, 4000)  # K not a multiple of 128
     assert not G.supports(4096, 200, 4096)  # N not a multiple of the 128-wide CTA tile
-    assert not G.supports(256, 128, 256) and G.supports(256, 128, 512)  # fewer than MIN_K_BLOCKS K blocks
-    for cfg in G.SWEEP_CONFIGS:  # the benchmark sweep fits in shared memory with bf16 output
+    assert G.supports(256, 128, 128) and not G.supports(256, 128, 200)  # K blocks of 128 only
+    for cfg in G.SWEEP_CONFIGS + G.DECODE_SWEEP_CONFIGS:  # the benchmark sweeps fit in shared memory (bf16 out)
         assert cfg.smem_bytes(jnp.bfloat16) <= G._SMEM_BYTES
 
 
@@ -207,7 +209,7 @@ def test_w8a8_policy_dispatches_to_the_mosaic_kernel(monkeypatch):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
     site = Site(0, Proj.Q)
-    for (m, n, k), expect in (((6, 128, 512), "fp8_gemm_mgpu"), ((6, 96, 512), "fp8_gemm"), ((6, 128, 256), "fp8_gemm")):
+    for (m, n, k), expect in (((6, 128, 512), "fp8_gemm_mgpu"), ((6, 96, 512), "fp8_gemm"), ((6, 128, 200), "fp8_gemm")):
         x, w, *_ = _operands(m, n, k, seed=m + n)
         qw = quantize_weight_blockwise(w)
         calls.clear()
@@ -215,3 +217,23 @@ def test_w8a8_policy_dispatches_to_the_mosaic_kernel(monkeypatch):
         assert calls == [expect]
         ref = W8A8Policy("float32", kernels=Kernels.REFERENCE).dot(x, qw, site)
         assert _rel_err(out, ref) < TOL_INTERPRET[jnp.float32]
+
+
+def test_tuning_table_lookup(tmp_path, monkeypatch):
+    """`default_config` takes a measured entry for this device kind, (M bucket, N, K), and only that."""
+    import json
+
+    entry = {"device_kind": "TestGPU", "m_bucket": 256, "n": 4096, "k": 4096,
+             "config": G._config_dict(MgpuGemmConfig(128, 64, MatmulDimension.M, 3))}
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"entries": [entry, dict(entry, device_kind="OtherGPU", n=1024)]}))
+    monkeypatch.setattr(G, "TUNING_FILE", path)
+    monkeypatch.setattr(G, "_device_kind", lambda: "TestGPU")
+    G._tuning.cache_clear()
+    try:
+        assert G.default_config(200, 4096, 4096) == MgpuGemmConfig(128, 64, MatmulDimension.M, 3)  # bucket 256
+        assert G.default_config(300, 4096, 4096) == G.DECODE_CONFIG  # bucket 512: no entry
+        assert G.default_config(256, 1024, 4096) == G.DECODE_CONFIG  # measured on another device kind
+        assert G.default_config(256, 4096) == G.DECODE_CONFIG  # no K: no lookup
+    finally:
+        G._tuning.cache_clear()
