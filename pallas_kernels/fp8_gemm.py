@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fp8rl_jax.quant.fp8 import codes_to_float32
 from pallas_kernels.common import median_ms, resolve_interpret, write_results
 from jax.experimental.pallas import triton as plgpu
 
@@ -234,8 +235,8 @@ def fp8_gemm_reference(a, a_scale, b, b_scale_inv, *, out_dtype=jnp.bfloat16) ->
     n = b.shape[0]
     kb = pl.cdiv(k, BK)
     pad = kb * BK - k
-    af = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, pad))).reshape(m, kb, BK)
-    bf = jnp.pad(b.astype(jnp.float32), ((0, 0), (0, pad))).reshape(n, kb, BK)
+    af = jnp.pad(codes_to_float32(a), ((0, 0), (0, pad))).reshape(m, kb, BK)  # exact codes under jit on GPU
+    bf = jnp.pad(codes_to_float32(b), ((0, 0), (0, pad))).reshape(n, kb, BK)
     d = jnp.einsum("mtk,ntk->tmn", af, bf, precision=jax.lax.Precision.HIGHEST)  # [kb, M, N]
     sb = jnp.repeat(b_scale_inv, BK, axis=0)[:n].T  # [kb, N]
     scaled = (d * a_scale.T[:, :, None]) * sb[:, None, :]

@@ -429,14 +429,18 @@ def test_adam_steps_reduce_loss_like_bf16(dense_params):
 
 def test_pallas_path_matches_reference():
     """Kernels.PALLAS (interpret mode here, native on the H200): fprop and dgrad through
-    pallas_kernels.fp8_gemm (K = 136: masked edges; K = 256: fewer than 4 K blocks) or fp8_gemm_mgpu
-    (K = 512; the native GPU run of session 3 found the Mosaic kernel 3.7e-2 off at K = 256), weight
+    pallas_kernels.fp8_gemm (K = 136: masked edges) or fp8_gemm_mgpu (K = 256, 512), weight
     quantization through fp8_quant; same values as the reference. The wgrad multiplies the FP8
     codes dequantized to BF16 there: within BF16's 2^-9 rounding of the reference."""
+    # Interpret mode computes the wgmma in float32: the reference's values to 1e-6. Natively the
+    # Mosaic kernel's FP8 wgmma accumulates each 128-wide K block at Hopper's reduced precision
+    # (1.3e-4 measured on the H200, session 4; float32 promotion between blocks keeps it from
+    # growing with K), the bound of tests/test_fp8_gemm_mgpu.py's GPU class.
+    tol = 1e-3 if jax.default_backend() == "gpu" else 1e-6
     rng = np.random.default_rng(16)
     for m, k, n in ((24, 136, 136), (256, 256, 128), (128, 512, 128)):
         x, w, dy = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((m, k), (n, k), (m, n)))
         out = {kk: _linear_vjp(x, w, dy, Fp8TrainRecipe(kernels=kk)) for kk in (Kernels.PALLAS, Kernels.REFERENCE)}
         for name, a, b in zip(("y", "dx", "dW"), out[Kernels.PALLAS], out[Kernels.REFERENCE], strict=True):
-            assert rel_err(a, b) < (4e-3 if name == "dW" else 1e-6), (m, k, n, name, rel_err(a, b))
+            assert rel_err(a, b) < (4e-3 if name == "dW" else tol), (m, k, n, name, rel_err(a, b))
         assert rel_err(out[Kernels.PALLAS][2], out[Kernels.REFERENCE][2]) > 0  # the BF16 wgrad path ran

@@ -334,7 +334,20 @@ def dequantize_weight(qw: QuantizedWeight, dtype: Any = jnp.bfloat16) -> jax.Arr
             f"for q {q.shape} with block_size {(bn, bk)}"
         )
     full = jnp.repeat(jnp.repeat(scale, bn, axis=-2), bk, axis=-1)[..., :n, :k]
-    return (q.astype(jnp.float32) * full).astype(dtype)
+    return (codes_to_float32(q) * full).astype(dtype)
+
+
+def codes_to_float32(q: jax.Array) -> jax.Array:
+    """FP8 codes as float32, exactly, even when they were produced in the same jitted program.
+
+    XLA:GPU's ``simplify-fp-conversions`` pass (on under ``xla_allow_excess_precision``, the
+    default) deletes a float32 -> float8 -> float32 chain of converts as "excess precision", so a
+    quantize-then-dequantize inside one jit silently skips the quantization: on the H200 the jitted
+    FP8 reference of ``fp8_linear`` came out 3.7e-2 off the same computation run eagerly (session
+    4, ``experiments/device/train_k256_diag.py``). The optimization barrier on the codes keeps the
+    rounding; everything else still fuses around it.
+    """
+    return jax.lax.optimization_barrier(q).astype(jnp.float32)
 
 
 def quantize_activations(
@@ -393,7 +406,7 @@ def dequantize_activations(
             f"with group_size {gs}"
         )
     full = jnp.repeat(scale, gs, axis=-1)[..., :k]
-    return (q.astype(jnp.float32) * full).astype(dtype)
+    return (codes_to_float32(q) * full).astype(dtype)
 
 
 # ----------------------------------------------------------------------------
