@@ -121,6 +121,8 @@ def _child(out_path: str) -> None:
     q = eng.params["layers"][0]["mlp"]["gate_proj"]["weight"].get_value()
     results["tp2_fp8_all"]["quantized_and_split"] = isinstance(q, QuantizedWeight) and \
         q.q.sharding.spec == q.scale_inv.sharding.spec and q.q.addressable_shards[0].data.shape[0] == CFG.intermediate_size // 2
+    results["fp8_policy_sharded"] = eng.policy.sharding is not None and len(eng.policy.sharding.specs) == 7 * CFG.num_layers
+    results["pallas_gemm"] = _pallas_gemm_per_shard(mesh2)
     errors = {}
     for name, mesh in (("data_axis", make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])),
                        ("heads", make_mesh(MeshConfig(tensor=8), jax.devices()))):
@@ -130,6 +132,42 @@ def _child(out_path: str) -> None:
             errors[name] = str(e)
     results["errors"] = errors
     Path(out_path).write_text(json.dumps(results))
+
+
+def _pallas_gemm_per_shard(mesh) -> dict:
+    """The W8A8 Pallas GEMM (forced, interpret mode) on tensor-split FP8 weights against one device:
+    column-parallel (N split) and row-parallel (K split, psum in float32), and the collectives XLA
+    compiles around it. Shapes keep K per shard < 512, the Triton kernel's (Mosaic GPU's interpret
+    mode cannot run one kernel on two CPU devices at once: a shared-memory barrier check races)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fp8rl_jax.models.policy import Proj, Site
+    from fp8rl_jax.quant.fp8 import QuantizedWeight
+    from fp8rl_jax.quant.policy import Kernels, W8A8Policy, WeightSharding, quantize_weight
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, (n, k), spec, proj in (("column", (512, 256), P("tensor", None), Proj.GATE),
+                                     ("row", (256, 512), P(None, "tensor"), Proj.DOWN)):
+        site = Site(0, proj)
+        w = quantize_weight(jnp.asarray(rng.normal(0, 0.2, (n, k)), jnp.float32), kernels=Kernels.REFERENCE)
+        x = jnp.asarray(rng.normal(0, 1, (2, 3, k)), jnp.float32)
+        one = W8A8Policy("float32", kernels=Kernels.PALLAS)
+        split = W8A8Policy("float32", kernels=Kernels.PALLAS, sharding=WeightSharding(mesh, ((site, spec),)))
+        sh = NamedSharding(mesh, spec)
+        ws = jax.device_put(w, QuantizedWeight(q=sh, scale_inv=sh, block_size=w.block_size))
+        y1 = np.asarray(jax.jit(functools.partial(one.dot, site=site))(x, w))
+        f = jax.jit(functools.partial(split.dot, site=site))
+        y2 = np.asarray(f(x, ws))
+        hlo = f.lower(x, ws).compile().as_text()
+        out[name] = {"max_rel": float(np.abs(y1 - y2).max() / np.abs(y1).max()),
+                     "all_gathers": hlo.count("all-gather("), "all_reduces": hlo.count("all-reduce(")}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +217,16 @@ def test_fp8_tensor_parallel_generation(multi):
     fp8 = multi["fp8_vs_float32"]["lp_err_mean"]
     assert rec["rows_identical"] >= 0.5, (multi["seed"], rec)
     assert rec["lp_err_mean"] < 0.5 * fp8, (multi["seed"], rec, fp8)
+
+
+def test_fp8_pallas_gemm_runs_per_weight_shard(multi):
+    # XLA cannot partition a pallas_call: without shard_map it all-gathers the FP8 weights and runs
+    # the GEMM replicated (the TP2 decode slowdown). Per shard: no gather, one all-reduce for a
+    # row-parallel weight, none for a column-parallel one; column results are the one-device bits.
+    assert multi["fp8_policy_sharded"]
+    col, row = multi["pallas_gemm"]["column"], multi["pallas_gemm"]["row"]
+    assert col == {"max_rel": 0.0, "all_gathers": 0, "all_reduces": 0}, col
+    assert row["all_gathers"] == 0 and row["all_reduces"] == 1 and row["max_rel"] < 1e-6, row
 
 
 def test_bad_generator_meshes_are_clear_errors(multi):

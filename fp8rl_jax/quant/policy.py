@@ -26,6 +26,17 @@ The reference GEMM dequantizes both operands and multiplies in float32 (HIGHEST)
 math as the kernel's per-K-block promotion, summed in another order, without the kernel
 reference's [K/128, M, N] intermediate. MoE experts run ``pallas_kernels.fp8_grouped_gemm``
 (Triton) under the same condition, and the reference grouped path elsewhere. ``Kernels.PALLAS`` forces the kernels (interpret mode off the GPU: tests).
+
+Tensor parallelism (``W8A8Policy.sharding``, a static ``WeightSharding``): XLA's partitioner cannot
+split a ``pallas_call`` (an opaque custom call to it), so under a sharded jit it gathers every
+operand and runs the kernel replicated: each device would all-gather the full FP8 weights (and
+their scales) and multiply all of them at every step. With ``sharding`` set, the GEMMs run per
+shard under ``shard_map`` following the weight's spec: column-parallel (weight split on N) takes
+the activations replicated and returns its N shard; row-parallel (weight split on K, in whole FP8
+blocks, so every activation group lies in one shard) takes the activations split on K, multiplies
+into float32 and sums the partials over the mesh axis (one all-reduce) before the cast to the
+compute dtype, as the reference path does. Activation quantization runs inside, per shard
+(bitwise the unsharded groups). The jnp reference needs none of this: XLA partitions it.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, MatmulPolicy, Proj, Site
@@ -150,12 +163,44 @@ def w8a8_matmul_reference(xq: jax.Array, xs: jax.Array, w: QuantizedWeight, grou
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightSharding:
+    """Where the FP8 weights live on a mesh: the ``PartitionSpec`` of each quantized site's weight
+    (``q`` and ``scale_inv`` share it). Hashable: a static field of the policy."""
+
+    mesh: Mesh
+    specs: tuple[tuple[Site, P], ...]
+
+    @classmethod
+    def of_params(cls, params: nnx.State, mesh: Mesh) -> WeightSharding:
+        """The specs of the ``QuantizedWeight``s of ``params`` as they are placed on ``mesh``."""
+        specs = []
+        for path, var in nnx.to_flat_state(params):
+            w = var.get_value()
+            site = site_of(tuple(path))
+            if isinstance(w, QuantizedWeight) and site is not None and isinstance(w.q.sharding, jax.NamedSharding):
+                specs.append((site, P(*w.q.sharding.spec)))
+        return cls(mesh, tuple(specs))
+
+    def split(self, site: Site, ndim: int) -> tuple[Any, Any] | None:
+        """(N axis, K axis) of the weight at ``site`` ([..., N, K], ``ndim`` dims) when it is split
+        over the mesh on those dims only; None when it is replicated (or split on a leading dim)."""
+        spec = dict(self.specs).get(site)
+        if spec is None:
+            return None
+        spec = tuple(spec) + (None,) * (ndim - len(spec))
+        if any(a is not None for a in spec[:-2]) or all(a is None for a in spec[-2:]):
+            return None
+        return spec[-2], spec[-1]
+
+
+@dataclasses.dataclass(frozen=True)
 class W8A8Policy(MatmulPolicy):
     """FP8 weights x dynamically quantized FP8 activations; dense weights take the dense path."""
 
     dtype: str = "bfloat16"
     group_size: int = 128
     kernels: Kernels = Kernels.AUTO
+    sharding: WeightSharding | None = None  # tensor parallelism: run the Pallas GEMMs per shard
 
     @property
     def compute_dtype(self) -> Any:
@@ -165,32 +210,59 @@ class W8A8Policy(MatmulPolicy):
     def _dense(self) -> DensePolicy:
         return DensePolicy(self.dtype)
 
+    def _per_shard(self, fn, site: Site, w: QuantizedWeight, x: jax.Array, *replicated: jax.Array) -> jax.Array:
+        """``fn(x, q, scale_inv, *replicated, out_dtype)`` -> [M, N]: a Pallas GEMM, run per shard of
+        ``w`` under ``shard_map`` when ``sharding`` splits it (module note), else as it is."""
+        split = None if self.sharding is None else self.sharding.split(site, w.q.ndim)
+        if split is None:
+            return fn(x, w.q, w.scale_inv, *replicated, out_dtype=self.compute_dtype)
+        n_ax, k_ax = split
+        lead = (None,) * (w.q.ndim - 2)
+
+        def local(x, q, s, *rest):
+            if k_ax is None:
+                return fn(x, q, s, *rest, out_dtype=self.compute_dtype)
+            y = fn(x, q, s, *rest, out_dtype=jnp.float32)  # partial sums over this K shard
+            return jax.lax.psum(y, k_ax).astype(self.compute_dtype)
+
+        w_spec = P(*lead, n_ax, k_ax)
+        return jax.shard_map(local, mesh=self.sharding.mesh,
+                             in_specs=(P(None, k_ax), w_spec, w_spec) + (P(),) * len(replicated),
+                             out_specs=P(None, n_ax), check_vma=False)(x, w.q, w.scale_inv, *replicated)
+
     def dot(self, x: jax.Array, w: Any, site: Site) -> jax.Array:
         if not isinstance(w, QuantizedWeight):
             return self._dense.dot(x, w, site)
         lead = x.shape[:-1]
-        xq, xs = quantize_activations(x.reshape(-1, x.shape[-1]), self.group_size)
+        x2 = x.reshape(-1, x.shape[-1])
         if self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK:
-            m, (n, k) = xq.shape[0], w.shape
             interpret = jax.default_backend() != "gpu"
-            if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
-                y = mgpu_kernel.fp8_gemm_mgpu(xq, xs, w.q, w.scale_inv, out_dtype=self.compute_dtype,
-                                              interpret=interpret)
-            else:  # masked edges: any N, K
-                y = gemm_kernel.fp8_gemm(xq, xs, w.q, w.scale_inv, out_dtype=self.compute_dtype, interpret=interpret)
+
+            def gemm(x, q, s, out_dtype):
+                xq, xs = quantize_activations(x, self.group_size)
+                m, (n, k) = xq.shape[0], q.shape
+                if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
+                    return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
+                return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K
+
+            y = self._per_shard(gemm, site, w, x2)
         else:
+            xq, xs = quantize_activations(x2, self.group_size)
             y = w8a8_matmul_reference(xq, xs, w, self.group_size)
         return y.astype(self.compute_dtype).reshape(*lead, w.shape[0])
 
     def ragged_dot(self, x: jax.Array, w: Any, group_sizes: jax.Array, site: Site) -> jax.Array:
         if not isinstance(w, QuantizedWeight):
             return self._dense.ragged_dot(x, w, group_sizes, site)
-        xq, xs = quantize_activations(x, self.group_size)
         if (self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK
                 and jnp.dtype(w.q.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
-            return grouped_gemm_kernel.fp8_grouped_gemm(xq, xs, w.q, w.scale_inv, group_sizes,
-                                                        out_dtype=self.compute_dtype,
-                                                        interpret=jax.default_backend() != "gpu")
+            def gemm(x, q, s, group_sizes, out_dtype):
+                xq, xs = quantize_activations(x, self.group_size)
+                return grouped_gemm_kernel.fp8_grouped_gemm(xq, xs, q, s, group_sizes, out_dtype=out_dtype,
+                                                            interpret=jax.default_backend() != "gpu")
+
+            return self._per_shard(gemm, site, w, x, group_sizes)
+        xq, xs = quantize_activations(x, self.group_size)
         a = dequantize_activations(xq, xs, self.group_size, dtype=jnp.float32)
         y = jax.lax.ragged_dot_general(a, w.dequantize(jnp.float32), group_sizes, RAGGED_DN,
                                        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)

@@ -40,7 +40,8 @@ Design:
   ``tensor``): the parameters take the ``TENSOR_PARALLEL`` preset of ``fp8rl_jax.parallel``
   (column-parallel q/k/v/gate/up and lm_head, row-parallel o/down, whole heads per device), the
   KV pools are split over their kv-head axis (``HeadSharding``), and the same jitted prefill and
-  decode run partitioned by XLA (the attention kernels per head shard under ``shard_map``). The
+  decode run partitioned by XLA (the attention kernels per head shard and the FP8 GEMMs per weight
+  shard under ``shard_map``: XLA cannot partition a Pallas call and would gather its operands). The
   host loop is unchanged: page tables, lengths and sampling state are replicated. ``kv_budget_gib``
   is per device, so the pool holds ``tensor`` times the pages. ``update_weights`` reshards the
   trainer's params into this layout (any input layout: FSDP, replicated, host) and quantizes
@@ -64,7 +65,7 @@ import numpy as np
 
 from fp8rl_jax.models import DensePolicy, Fp8Mode, HeadSharding, ModelConfig, PagedKVCache, calibrate_kv_scales, forward
 from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
-from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, quantize_params
+from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, WeightSharding, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
 
@@ -189,6 +190,9 @@ class JaxEngine:
         self.params = None
         self.stats: dict[str, float] = {}  # of the last generate: device-call counts, seconds, tokens (``_run``)
         self.update_weights(params)  # first: a fractional KV budget is taken from what the weights leave
+        if self.mesh is not None and isinstance(self.policy, W8A8Policy):
+            # the Pallas GEMMs run per weight shard (shard_map): XLA would gather their operands
+            self.policy = dataclasses.replace(self.policy, sharding=WeightSharding.of_params(self.params, self.mesh))
         kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.fp8_kv else jnp.dtype(config.dtype)
         cfg = model_config
         bytes_per_page = 2 * cfg.num_layers * config.page_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
@@ -252,8 +256,8 @@ class JaxEngine:
         out = placed
         if self._quantize is not None:
             if self._sharded_quantize is None:  # built once: the output layout is the generator's
-                out_sh = param_shardings(jax.eval_shape(self._quantize, placed), self.model_config, self.mesh, preset)
-                self._sharded_quantize = jax.jit(self._quantize, out_shardings=out_sh)
+                self._sharded_quantize = _shard_local_quantize(self._quantize, placed, self.model_config, self.mesh,
+                                                               preset)
             out = jax.block_until_ready(self._sharded_quantize(placed))
         self.last_sync = {"reshard_s": t1 - t0, "quantize_s": time.perf_counter() - t1}
         return out
@@ -539,6 +543,31 @@ def _head_sharding(mesh: jax.sharding.Mesh, cfg: ModelConfig) -> HeadSharding:
         raise ValueError(f"tensor = {tp} must divide the query heads ({cfg.num_heads}) and the kv heads "
                          f"({cfg.num_kv_heads}): each device holds whole heads and their KV")
     return HeadSharding(mesh, axis)
+
+
+def _shard_local_quantize(quantize, placed, model_config: ModelConfig, mesh: jax.sharding.Mesh, preset):
+    """``quantize`` (params -> params with ``QuantizedWeight``s) jitted to the generator's layout.
+
+    Where every quantized weight keeps its dense spec (block-aligned shards: the TP preset on
+    Qwen3 shapes), it runs per shard under ``shard_map``: the Pallas quantization kernel (the GPU
+    path) is a custom call XLA cannot partition, so a plain sharded jit would all-gather every
+    weight to every device, quantize all of it there and keep one slice. Otherwise (a spec that
+    only the FP8 blocks change) the plain jit with output shardings."""
+    from flax import nnx
+
+    from fp8rl_jax.parallel import param_shardings, plan_params
+    from fp8rl_jax.quant.fp8 import QuantizedWeight
+
+    abstract = jax.eval_shape(quantize, placed)
+    in_specs = plan_params(placed, model_config, mesh, preset).specs
+    out_specs = plan_params(abstract, model_config, mesh, preset).specs
+    ins = dict(nnx.to_flat_state(in_specs))
+    aligned = all(
+        (o.q == o.scale_inv == ins[path].get_value()) if isinstance(o, QuantizedWeight) else o == ins[path].get_value()
+        for path, var in nnx.to_flat_state(out_specs) for o in [var.get_value()])
+    if not aligned:
+        return jax.jit(quantize, out_shardings=param_shardings(abstract, model_config, mesh, preset))
+    return jax.jit(jax.shard_map(quantize, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False))
 
 
 # --------------------------------------------------------------------------- jitted device steps
