@@ -46,6 +46,7 @@ HBM_BPS = 4.3e12
 # Pallas kernels' names)
 CLASSES = (
     ("paged_attention", "attention (paged decode kernel)"),
+    ("kv_write", "KV write (kernel)"),
     ("attention", "attention (other)"),
     ("fp8_gemm", "FP8 GEMM (ours)"),
     ("mosaic", "FP8 GEMM (ours)"),
