@@ -111,7 +111,15 @@ def _child(out_path: str) -> None:
     eng.update_weights(fsdp)
     compare("tp2_after_fsdp_sync", run(eng), run(JaxEngine(CFG, perturbed, base)), eng)
     results["tp2_after_fsdp_sync"]["last_sync"] = eng.last_sync
+    results["tp2_after_fsdp_sync"]["reshard_path"] = eng.reshard_path
     results["tp2_after_fsdp_sync"]["changed"] = run(eng)[0] != ref[0]
+    # FSDP over the generator's own 2 devices (the colocated RL loop): the jitted one-program reshard
+    fsdp2 = shard_params(perturbed, CFG, make_mesh(MeshConfig(fsdp=2), jax.devices()[:2]), ShardingPreset.FSDP,
+                         strict=True)
+    eng = JaxEngine(CFG, params, base, mesh=mesh2)
+    eng.update_weights(fsdp2)
+    compare("tp2_after_fsdp2_sync", run(eng), run(JaxEngine(CFG, perturbed, base)), eng)
+    results["tp2_after_fsdp2_sync"]["reshard_path"] = eng.reshard_path
     # W8A8 + FP8 KV: shard-local quantization (same codes), FP8 rounding may flip a near-tie
     fp8 = dataclasses.replace(base, precision=Fp8Mode.ALL)
     eng = JaxEngine(CFG, params, fp8, mesh=mesh2)
@@ -137,8 +145,9 @@ def _child(out_path: str) -> None:
 def _pallas_gemm_per_shard(mesh) -> dict:
     """The W8A8 Pallas GEMM (forced, interpret mode) on tensor-split FP8 weights against one device:
     column-parallel (N split) and row-parallel (K split, psum in float32), and the collectives XLA
-    compiles around it. Shapes keep K per shard < 512, the Triton kernel's (Mosaic GPU's interpret
-    mode cannot run one kernel on two CPU devices at once: a shared-memory barrier check races)."""
+    compiles around it. The Triton kernel is forced (Mosaic GPU's interpret mode cannot run one
+    kernel on two CPU devices at once: a shared-memory barrier check races); the per-shard wrapping
+    is the same for both kernels."""
     import functools
 
     import jax
@@ -150,6 +159,9 @@ def _pallas_gemm_per_shard(mesh) -> dict:
     from fp8rl_jax.quant.fp8 import QuantizedWeight
     from fp8rl_jax.quant.policy import Kernels, W8A8Policy, WeightSharding, quantize_weight
 
+    from pallas_kernels import fp8_gemm_mgpu
+
+    fp8_gemm_mgpu.supports = lambda *a, **kw: False  # this child process only: the Triton kernel
     rng = np.random.default_rng(0)
     out = {}
     for name, (n, k), spec, proj in (("column", (512, 256), P("tensor", None), Proj.GATE),
@@ -182,7 +194,8 @@ def multi(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp4", "tp2_pallas", "tp2_preempt", "tp2_after_fsdp_sync"])
+@pytest.mark.parametrize("case", ["tp2", "tp4", "tp2_pallas", "tp2_preempt", "tp2_after_fsdp_sync",
+                                  "tp2_after_fsdp2_sync"])
 def test_tensor_parallel_greedy_equals_one_device(multi, case):
     rec = multi[case]
     assert rec["tokens_equal"], (multi["seed"], rec)
@@ -203,6 +216,8 @@ def test_preemption_and_weight_sync_under_tp(multi):
     assert rec["preemptions"] > 0 and rec["ref_preemptions"] > 0 and rec["same_as_roomy"]
     sync = multi["tp2_after_fsdp_sync"]
     assert sync["changed"] and set(sync["last_sync"]) == {"reshard_s", "quantize_s"}
+    # params on the generator's devices move in one compiled program; from other devices leaf by leaf
+    assert multi["tp2_after_fsdp2_sync"]["reshard_path"] == "jit" and sync["reshard_path"] == "device_put"
 
 
 def test_fp8_tensor_parallel_generation(multi):

@@ -184,6 +184,8 @@ class JaxEngine:
         self._quantize = jax.jit(functools.partial(quantize_params, config=model_config,
                                                    layer_policy=LayerPolicy(block_size=block))) if fp8 else None
         self._sharded_quantize = None  # with a mesh: _quantize jitted to the generator's layout
+        self._reshard = None  # with a mesh: (params key, shardings, jitted reshard into the generator's layout)
+        self.reshard_path = ""  # with a mesh: how the last update moved the params ("jit" or "device_put")
         if config.record_routing and not moe_layers(model_config):
             raise ValueError("EngineConfig.record_routing needs an MoE model; this config has no MoE layer "
                              "(num_experts = 0)")
@@ -250,8 +252,18 @@ class JaxEngine:
 
         preset = ShardingPreset.TENSOR_PARALLEL
         t0 = time.perf_counter()
-        placed = jax.block_until_ready(
-            jax.device_put(params, param_shardings(params, self.model_config, self.mesh, preset)))
+        key = jax.tree.structure(params), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(params))
+        if self._reshard is None or self._reshard[0] != key:
+            shardings = param_shardings(params, self.model_config, self.mesh, preset)
+            # one compiled program moves every array (device_put reshards leaf by leaf: one
+            # transfer program per array, ~400 for a Qwen3)
+            self._reshard = key, shardings, jax.jit(lambda p: p, out_shardings=shardings)
+        _, shardings, reshard = self._reshard
+        self.reshard_path = "jit" if _on_devices(params, set(self.mesh.devices.flat)) else "device_put"
+        if self.reshard_path == "jit":
+            placed = jax.block_until_ready(reshard(params))
+        else:  # host arrays, or arrays on other devices: transferred leaf by leaf
+            placed = jax.block_until_ready(jax.device_put(params, shardings))
         t1 = time.perf_counter()
         out = placed
         if self._quantize is not None:
@@ -524,6 +536,12 @@ class JaxEngine:
         r.logprobs.append(lp)
         if code:
             r.finish = _FINISH_CODES[code]
+
+
+def _on_devices(params: Any, devices: set) -> bool:
+    """Whether every leaf is a jax.Array living only on ``devices`` (a jitted reshard can take it)."""
+    leaves = jax.tree.leaves(params)
+    return bool(leaves) and all(isinstance(x, jax.Array) and x.sharding.device_set <= devices for x in leaves)
 
 
 def _head_sharding(mesh: jax.sharding.Mesh, cfg: ModelConfig) -> HeadSharding:
