@@ -69,6 +69,18 @@ next pages stream while the current block computes, wgmma with M = 64 filled by 
 of several kv heads or rows, warp-specialized producer/consumer warpgroups, and an in-kernel
 split combine (no partials round trip); the Triton version relies on ``num_stages`` software
 pipelining of the gathers.
+
+Codegen (Triton 3.6 offline for sm_90, ``experiments/inspect_triton_codegen.py``): the K/V gather
+is one 2-D ``[tokens, H]`` pointer tile with a page id per token row, so both K and V go through
+16-byte ``cp.async`` into shared memory and feed ``mma.sync m16n8k16`` via ``ldmatrix`` (a
+``[pages, page_size, H]`` tile reshaped to ``[tokens, H]`` kept V out of the async pipeline: plain
+register loads stored to shared memory every block, 168 instead of 80-94 registers at 4 pages
+bfloat16). The page-id load is an indirection level of its own: Triton gives each level
+``(num_stages - 1) // 2`` slots, so ``num_stages`` 2-4 leave one K/V buffer that is waited for
+(``cp.async.wait_group 0``) at the top of the very next block (no overlap of loads with compute
+inside a program; only other programs hide the latency), and ``num_stages = 5`` (7) keeps one (two)
+blocks in flight. With M = 16 (the padded GQA group) the 4 warps split the keys, so the row max and
+sum and the P operand cross warps through shared memory: 9 barriers per block (2 with one warp).
 """
 
 from __future__ import annotations
@@ -151,6 +163,14 @@ SWEEP_CONFIGS = (
     PagedAttentionConfig(pages_per_block=8, pages_per_split=128, num_warps=4, num_stages=2),
     PagedAttentionConfig(pages_per_block=16, pages_per_split=64, num_warps=8, num_stages=2),
     PagedAttentionConfig(pages_per_block=8, pages_per_split=1 << 20, num_warps=4, num_stages=2),  # no split
+    # Triton splits the num_stages - 1 pipeline slots between the page-id load and the K/V gathers
+    # that depend on it: only num_stages >= 5 double-buffers K/V (cp.async.wait_group 3 instead of
+    # 0 in the loop, offline sm_90 codegen: experiments/inspect_triton_codegen.py).
+    PagedAttentionConfig(pages_per_block=4, pages_per_split=64, num_warps=4, num_stages=5),
+    PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=4, num_stages=5),
+    PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=4, num_stages=7),
+    # one warp: no cross-warp softmax reductions (2 barriers per block instead of 9)
+    PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=1, num_stages=5),
 )
 
 
@@ -175,26 +195,29 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     n_blocks = (jnp.maximum(p_end - p_start, 0) + bp - 1) // bp
     q = q_ref[...]
     k_scale, v_scale = scale_ref[0], scale_ref[1]
-    page_off = jnp.arange(bp, dtype=jnp.int32)
-    tok_off = jnp.arange(ps, dtype=jnp.int32)
+    nt = bp * ps  # tokens per block
+    row = jnp.arange(nt, dtype=jnp.int32)
+    row_page, row_tok = row // ps, row % ps  # block row -> (page in block, token in page)
     h_off = jnp.arange(h, dtype=jnp.int32)
+    limit = jnp.minimum(p_end * ps, length)  # tokens of this split's range end here
 
     def body(i, carry):
         m, l, acc = carry
-        first = p_start + i * bp
-        pages = first + page_off  # [bp]
-        ids = jnp.clip(pt_ref[b, pl.ds(first, bp)], 0, num_pages - 1)
-        tok = pages[:, None] * ps + tok_off[None, :]  # [bp, ps]
-        ok = (pages[:, None] < p_end) & (tok < length)
-        shape3 = (bp, ps, h)
-        ok3 = jnp.broadcast_to(ok[:, :, None], shape3)
-        idx = (jnp.broadcast_to(ids[:, None, None], shape3), jnp.broadcast_to(tok_off[None, :, None], shape3),
-               jnp.broadcast_to(h_off[None, None, :], shape3))  # an element gather: [bp, ps, H]
-        kt = plgpu.load(k_ref.at[idx], mask=ok3, other=jnp.zeros(shape3, k_ref.dtype)).reshape(bp * ps, h).astype(cdt)
-        vt = plgpu.load(v_ref.at[idx], mask=ok3, other=jnp.zeros(shape3, v_ref.dtype)).reshape(bp * ps, h).astype(cdt)
+        pages = p_start + i * bp + row_page  # [nt]: the page (index into the row's table) of each row
+        # Page id per token row (a gather of bp distinct table entries, repeated ps times: L1 hits),
+        # so the K/V gather below is one 2-D [nt, H] pointer tile that feeds the dots without a
+        # reshape (a [bp, ps, H] tile reshaped to [nt, H] kept V out of Triton's cp.async pipeline).
+        ids = jnp.clip(plgpu.load(pt_ref.at[b, pages]), 0, num_pages - 1)
+        ok = pages * ps + row_tok < limit  # [nt]
+        shape2 = (nt, h)
+        ok2 = jnp.broadcast_to(ok[:, None], shape2)
+        idx = (jnp.broadcast_to(ids[:, None], shape2), jnp.broadcast_to(row_tok[:, None], shape2),
+               jnp.broadcast_to(h_off[None, :], shape2))  # an element gather: [nt, H]
+        kt = plgpu.load(k_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, k_ref.dtype)).astype(cdt)
+        vt = plgpu.load(v_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, v_ref.dtype)).astype(cdt)
         logits = jax.lax.dot_general(q, kt, (((1,), (1,)), ((), ())), precision=prec,
                                      preferred_element_type=jnp.float32) * k_scale
-        logits = jnp.where(ok.reshape(1, bp * ps), logits, _MASK_VALUE)
+        logits = jnp.where(ok[None, :], logits, _MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
@@ -493,7 +516,7 @@ def wide_sweep() -> tuple[PagedAttentionConfig, ...]:
     """Block size x warps x pipeline stages (and two split sizes at the default block): the grid
     searched when the default config is far from the roofline."""
     grid = [PagedAttentionConfig(pages_per_block=b, pages_per_split=64, num_warps=w, num_stages=st)
-            for b in (4, 8, 16) for w in (4, 8) for st in (2, 3, 4)]
+            for b in (2, 4, 8, 16) for w in (1, 4, 8) for st in (2, 3, 5, 7)]
     grid += [PagedAttentionConfig(pages_per_split=pps) for pps in (32, 128)]
     return tuple(c for c in grid if c != DEFAULT_CONFIG)
 

@@ -1,0 +1,204 @@
+"""Offline codegen inspection of the Pallas (Triton) paged-attention decode kernel for sm_90 (no GPU).
+
+Two halves, run by two interpreters (jax's XLA bundles its own Triton; the `triton` wheel is only
+needed for the offline compile):
+
+1. ``dump`` (project venv, jax): lowers `_paged_attention` for CUDA on a CPU-only host
+   (``.trace(...).lower(lowering_platforms=("cuda",))``), with the Pallas Triton lowering's GPU
+   query patched to an H200 (sm_90), and captures the Triton MLIR (TTIR) module that jax would put
+   into the ``__gpu$xla.gpu.triton`` custom call (the module `lower_jaxpr_to_triton_module` returns;
+   the custom call carries its bytecode in the ``ir`` backend-config field).
+2. ``compile`` (a venv with ``triton==3.6.0``): runs Triton's NVIDIA stages by hand
+   (make_ttir -> make_ttgir -> make_llir -> make_ptx; no driver needed with an explicit
+   ``GPUTarget("cuda", 90, 32)``), then the wheel's bundled ``ptxas -v --gpu-name=sm_90a``, and
+   prints per variant: registers/spills/shared memory, CTAs per SM, and the loop body's memory,
+   barrier and MMA instructions. (``triton.compile(path)`` would skip the TTIR passes for an IR
+   input, so the stages are called directly.) XLA's Triton pipeline differs slightly from 3.6's.
+
+    python experiments/inspect_triton_codegen.py --triton-python .scratch/venv/bin/python \\
+        [--out .scratch/codegen] [--dtypes bfloat16 float8_e4m3fn] [--bp 4 8] [--stages 2 3]
+
+Files: ``OUT/<dtype>_bp<b>_w<w>_s<s>.{ttir,ttgir,llir,ptx}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int) -> list[dict]:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import gpu_info, lowering
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    from pallas_kernels import paged_attention as pa
+
+    reg.gpu_info_lib.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    captured = []
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        res = orig(*a, **k)
+        captured.append(res.module.operation.get_asm(enable_debug_info=False))
+        return res
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    S = jax.ShapeDtypeStruct
+    P = batch * (context // 16 + 1)  # the pool size only changes nothing but the bound of the id clamp
+    jobs = []
+    for dt in dtypes:
+        for bp in bps:
+            for st in stages:
+                for w in warps:
+                    captured.clear()
+                    cfg = pa.PagedAttentionConfig(pages_per_block=bp, pages_per_split=64, num_warps=w, num_stages=st)
+                    args = (S((batch, 32, 128), jnp.bfloat16), S((P, 16, 8, 128), jnp.dtype(dt)),
+                            S((P, 16, 8, 128), jnp.dtype(dt)), S((), jnp.float32), S((), jnp.float32),
+                            S((batch, context // 16 + 1), jnp.int32), S((batch,), jnp.int32))
+                    fn = jax.jit(functools.partial(pa._paged_attention, config=cfg, interpret=False))
+                    fn.trace(*args).lower(lowering_platforms=("cuda",))
+                    assert len(captured) == 1, len(captured)
+                    name = f"{dt}_bp{bp}_w{w}_s{st}"
+                    (out / f"{name}.ttir").write_text(captured[0])
+                    jobs.append({"name": name, "num_warps": w, "num_stages": st})
+    return jobs
+
+
+def _loop_body(ptx: str) -> str:
+    """The PTX between the label of the innermost backward branch's target and that branch (the
+    block loop; the kernel has one loop)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\$L__\w+):", l))}
+    best = None
+    for i, l in enumerate(lines):
+        m = re.search(r"bra(?:\.uni)?\s+(\$L__\w+);", l)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            if best is None or i - labels[m.group(1)] > best[1] - best[0]:
+                best = (labels[m.group(1)], i)
+    return "\n".join(lines[best[0]:best[1] + 1]) if best else ""
+
+
+_OPS = ("ld.global", "cp.async.cg", "cp.async.ca", "cp.async.commit_group", "cp.async.wait_group", "ld.shared",
+        "st.shared", "ldmatrix", "stmatrix", "mma.sync", "wgmma.mma_async", "bar.sync", "shfl.sync", "cvt.rn.f16x2.e4m3x2",
+        "cvt.bf16.f16", "ex2.approx")
+
+
+def _op_counts(body: str) -> dict:
+    ops = {}
+    for l in body.splitlines():
+        l = re.sub(r"^\s*(@!?%p\d+\s+)?", "", l)
+        for op in _OPS:
+            if l.startswith(op):
+                m = re.match(r"([\w.]+)", l)
+                key = m.group(1)
+                ops[key] = ops.get(key, 0) + 1
+    waits = re.findall(r"cp\.async\.wait_group\s+(\d+)", body)
+    if waits:
+        ops["cp.async.wait_group N"] = ",".join(waits)
+    return dict(sorted(ops.items()))
+
+
+def _ttgir_loop_facts(ttgir: str) -> dict:
+    lines = ttgir.splitlines()
+    i0 = next(i for i, l in enumerate(lines) if "scf.for" in l)
+    indent = len(lines[i0]) - len(lines[i0].lstrip())
+    i1 = next(i for i in range(i0 + 1, len(lines)) if lines[i].startswith(" " * indent + "}"))
+    body = "\n".join(lines[i0:i1 + 1])
+    return {
+        "smem_buffers": re.findall(r"ttg.local_alloc : \(\) -> !ttg.memdesc<([0-9x]+)", ttgir),
+        "async_copies_in_loop": body.count("ttg.async_copy_global_to_local"),
+        "async_wait_num": re.findall(r"ttg.async_wait.*\{num = (\d+)", body),
+        "reg_tt_load_tensors_in_loop": len(re.findall(r"tt.load %\w+, %\w+, %\w+ : tensor<\d+x\d+x\d+", body))
+        + len(re.findall(r"tt.load %\w+, %\w+, %\w+ : tensor<\d+x\d+x!", body)),
+        "local_alloc_from_regs_in_loop": len(re.findall(r"ttg.local_alloc %", body)),
+        "local_load_in_loop": body.count("ttg.local_load"),
+        "convert_layout_in_loop": body.count("ttg.convert_layout"),
+        "dot": sorted(set(re.findall(r"(tt\.dot|ttng\.warp_group_dot)\b", body))),
+        "mma_version": re.findall(r"nvidia_mma<\{versionMajor = (\d)", ttgir)[:1],
+    }
+
+
+def compile_all(out: Path, jobs: list[dict]) -> list[dict]:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend, get_ptxas
+    from triton.compiler.compiler import IRSource
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    ptxas = get_ptxas(target.arch).path
+    results = []
+    for job in jobs:
+        name = job["name"]
+        ctx = ir.context()
+        src = IRSource(str(out / f"{name}.ttir"), ctx, backend)
+        opts = backend.parse_options(dict(num_warps=job["num_warps"], num_stages=job["num_stages"]))
+        stages: dict = {}
+        backend.add_stages(stages, opts, src.language)
+        md = {"target": target, **opts.__dict__}
+        mod = src.make_ir(target, opts, None, None, ctx)
+        texts = {}
+        for st in ("ttir", "ttgir", "llir", "ptx"):
+            mod = stages[st](mod, md)
+            texts[st] = mod if isinstance(mod, str) else str(mod)
+            (out / f"{name}.{st}.txt").write_text(texts[st])
+        ptx_path = out / f"{name}.ptx"
+        ptx_path.write_text(texts["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(ptx_path), "-o", str(out / f"{name}.cubin")],
+                           capture_output=True, text=True)
+        log = r.stdout + r.stderr
+        regs = int(re.search(r"Used (\d+) registers", log).group(1))
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        smem = md.get("shared", 0)
+        warps = job["num_warps"]
+        regs_per_warp = -(-regs * 32 // 256) * 256
+        cta_by_regs = (65536 // regs_per_warp) // warps
+        cta_by_smem = (228 * 1024) // (smem + 1024) if smem else 32
+        res = {**job, "registers": regs, "spill_stores": int(spill.group(1)), "spill_loads": int(spill.group(2)),
+               "shared_bytes": smem, "ctas_per_sm": min(cta_by_regs, cta_by_smem, 32, 64 // warps),
+               "ctas_by_regs": cta_by_regs, "ctas_by_smem": cta_by_smem,
+               "loop_ptx_ops": _op_counts(_loop_body(texts["ptx"])), "ttgir_loop": _ttgir_loop_facts(texts["ttgir"])}
+        results.append(res)
+        print(json.dumps(res), flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phase", choices=("all", "dump", "compile"), default="all")
+    p.add_argument("--triton-python", default=str(REPO / ".scratch/venv/bin/python"),
+                   help="interpreter with triton==3.6.0 for the compile phase")
+    p.add_argument("--out", default=str(REPO / ".scratch/codegen"))
+    p.add_argument("--dtypes", nargs="*", default=["bfloat16", "float8_e4m3fn"])
+    p.add_argument("--bp", type=int, nargs="*", default=[4, 8])
+    p.add_argument("--stages", type=int, nargs="*", default=[2, 3])
+    p.add_argument("--warps", type=int, nargs="*", default=[4])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=2048)
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.phase in ("all", "dump"):
+        jobs = dump(out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context)
+        (out / "jobs.json").write_text(json.dumps(jobs))
+    if a.phase == "all":
+        env = dict(os.environ, PYTHONPATH="")
+        return subprocess.run([a.triton_python, __file__, "--phase", "compile", "--out", str(out)], env=env).returncode
+    if a.phase == "compile":
+        compile_all(out, json.loads((out / "jobs.json").read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
