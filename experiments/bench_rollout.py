@@ -105,17 +105,49 @@ def _memory() -> dict:
     return {k: round(stats[k] / 1e9, 2) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
 
 
-def run_mode(cfg: BenchConfig, params, mode: Fp8Mode) -> dict:
+PROGRESS_EVERY_S = 15.0  # seconds between progress lines (module constant: tests lower it)
+
+
+def _progress_reporter(mode: Fp8Mode, t0: float, partial) -> Any:
+    """An ``engine.progress`` hook: every ``PROGRESS_EVERY_S`` prints the run so far (tokens/s,
+    decode step) and hands it to ``partial`` (which writes it into the JSON), so a run cut by a
+    time limit still leaves its steady-state throughput behind."""
+    last = [t0]
+
+    def report(p: dict) -> None:
+        now = time.perf_counter()
+        if now - last[0] < PROGRESS_EVERY_S:
+            return
+        last[0] = now
+        steps = max(p["decode_steps"], 1)
+        row = {"mode": mode.value, "partial": True, "elapsed_s": now - t0, "generated_tokens": p["generated_tokens"],
+               "tokens_per_s_so_far": p["generated_tokens"] / (now - t0), "finished": p["finished"],
+               "requests": p["requests"], "preemptions": p["preemptions"], "queued": p["queued"],
+               "decode_step_ms_so_far": p["decode_s"] / steps * 1e3,
+               "decode_batch_mean_so_far": p["decode_slot_steps"] / steps, "prefill_s": p["prefill_s"],
+               "decode_s": p["decode_s"]}
+        print(json.dumps(row), flush=True)
+        if partial is not None:
+            partial(row)
+
+    return report
+
+
+def run_mode(cfg: BenchConfig, params, mode: Fp8Mode, partial=None) -> dict:
     engine = JaxEngine(cfg.model, params, dataclasses.replace(cfg.engine, precision=mode))
     print(f"[{mode.value}] memory after engine init (GB): {_memory()}", flush=True)
     prompts, sampling = _requests(cfg.workload, cfg.model.vocab_size, cfg.seed)
+    t0 = time.perf_counter()
     engine.generate(prompts[: min(4, len(prompts))], [dataclasses.replace(s, max_tokens=4) for s in sampling[:4]])
+    print(f"[{mode.value}] warm-up (compiles) {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
     engine.update_weights(params)
     jax.block_until_ready(engine.params)
     sync_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
+    engine.progress = _progress_reporter(mode, t0, partial)
     batch = engine.generate(prompts, sampling)
+    engine.progress = None
     wall = time.perf_counter() - t0
     generated = int(batch.lengths.sum())
     m = cfg.model
@@ -209,7 +241,12 @@ def main(cfg: BenchConfig) -> dict:
     }
     for mode in cfg.modes:
         gc.collect()  # the previous mode's engine (and its KV pool) must be gone before the next one allocates
-        row = (run_mode(cfg, params, mode) if cfg.backend is Backend.JAX
+        def partial(row, results=results):  # a cut run leaves its progress in the JSON
+            if cfg.out is not None:
+                cfg.out.parent.mkdir(parents=True, exist_ok=True)
+                cfg.out.write_text(json.dumps(dict(results, runs=results["runs"] + [row]), indent=1) + "\n")
+
+        row = (run_mode(cfg, params, mode, partial) if cfg.backend is Backend.JAX
                else run_mode_vllm(cfg, params, mode, cfg.workdir))
         results["runs"].append(row)
         print(json.dumps(row), flush=True)

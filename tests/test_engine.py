@@ -279,3 +279,23 @@ def test_trainer_side_calibration_must_sync_after_each_update():
         eng.generate(prompts, GREEDY)
     with pytest.raises(ValueError, match="finite and positive"):
         eng.set_kv_scales(k * 0, v)
+
+
+def test_progress_hook_reports_every_device_call():
+    """``engine.progress`` sees monotone counters after each prefill / decode call, ending at the
+    batch's totals (preemptions included: a tight page budget)."""
+    cfg, rng = tiny_qwen3, np.random.default_rng(8)
+    params = init_params(cfg, jax.random.key(7), jnp.float32)
+    prompts = _prompts(rng, cfg.vocab_size, [9, 6, 11])
+    sampling = SamplingConfig(temperature=0.8, max_tokens=12, ignore_eos=True, seed=5)
+    eng = JaxEngine(cfg, params, dataclasses.replace(F32, num_pages=8))
+    seen = []
+    eng.progress = seen.append
+    batch = eng.generate(prompts, sampling)
+    assert len(seen) == eng.stats["prefill_calls"] + eng.stats["decode_calls"]
+    for key in ("generated_tokens", "finished", "decode_steps", "prefill_calls", "preemptions"):
+        values = [p[key] for p in seen]
+        assert values == sorted(values), key
+    last = seen[-1]
+    assert last["generated_tokens"] == int(batch.lengths.sum()) and last["finished"] == 3 == last["requests"]
+    assert last["preemptions"] == batch.preemptions > 0 and last["queued"] == 0

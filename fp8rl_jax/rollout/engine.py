@@ -57,7 +57,7 @@ import enum
 import functools
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +191,9 @@ class JaxEngine:
                              "(num_experts = 0)")
         self.params = None
         self.stats: dict[str, float] = {}  # of the last generate: device-call counts, seconds, tokens (``_run``)
+        # called after every device call of a generate with a snapshot of its progress (``_progress``);
+        # benchmarks use it to report throughput before a long run ends (or is cut)
+        self.progress: Callable[[dict], None] | None = None
         self.update_weights(params)  # first: a fractional KV budget is taken from what the weights leave
         if self.mesh is not None and isinstance(self.policy, W8A8Policy):
             # the Pallas GEMMs run per weight shard (shard_map): XLA would gather their operands
@@ -413,6 +416,7 @@ class JaxEngine:
                 group.append(slot)
             for start in range(0, len(group), self.config.prefill_batch):
                 self._prefill_group(group[start : start + self.config.prefill_batch], slots, page_table, lengths)
+                self._progress(requests, len(queue), len(group))
             for slot in range(B):
                 if slots[slot] is not None and slots[slot].finish is not None:
                     release(slot)
@@ -430,6 +434,7 @@ class JaxEngine:
             running = [s for s in range(B) if slots[s] is not None]
             if running:
                 self._decode_chunk(slots, page_table, lengths)
+                self._progress(requests, len(queue), len(running))
             for slot in range(B):
                 if slots[slot] is not None and slots[slot].finish is not None:
                     release(slot)
@@ -525,6 +530,15 @@ class JaxEngine:
                     r.routed += 1
                 self._append(r, int(toks[s, j]), float(lps[s, j]), int(codes[s, j]))
                 lengths[s] += 1
+
+    def _progress(self, requests: list[_Request], queued: int, running: int) -> None:
+        """Calls ``self.progress`` (if set) with this generate's counters so far: the ``stats`` keys,
+        plus generated tokens, finished requests, preemptions, queued and running requests."""
+        if self.progress is None:
+            return
+        self.progress(dict(self.stats, generated_tokens=sum(len(r.generated) for r in requests),
+                           finished=sum(r.finish is not None for r in requests), requests=len(requests),
+                           preemptions=self._preemptions, queued=queued, running=running))
 
     def _count(self, **amounts) -> None:
         for k, v in amounts.items():
