@@ -42,7 +42,6 @@ compute dtype, as the reference path does. Activation quantization runs inside, 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any
 
 import jax
@@ -52,7 +51,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, MatmulPolicy, Proj, Site
+from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, Kernels, MatmulPolicy, Proj, Site
 from fp8rl_jax.quant.fp8 import (QuantizedWeight, dequantize_activations, quantize_activations,
                                  quantize_weight_blockwise)
 from pallas_kernels import fp8_gemm as gemm_kernel
@@ -64,17 +63,6 @@ FP8_PROJS = frozenset({Proj.Q, Proj.K, Proj.V, Proj.O, Proj.GATE, Proj.UP, Proj.
                        Proj.EXPERT_GATE, Proj.EXPERT_UP, Proj.EXPERT_DOWN})
 _PROJ_BY_NAME = {p.value: p for p in Proj if "." not in p.value}
 _EXPERT_PROJ = {"gate_proj": Proj.EXPERT_GATE, "up_proj": Proj.EXPERT_UP, "down_proj": Proj.EXPERT_DOWN}
-
-
-class Kernels(enum.Enum):
-    """Which implementation runs the FP8 quantization and GEMMs."""
-
-    AUTO = "auto"  # Pallas on a GPU backend, the jnp reference elsewhere
-    PALLAS = "pallas"  # always Pallas (interpret mode without a GPU)
-    REFERENCE = "reference"  # always the jnp reference
-
-    def pallas(self) -> bool:
-        return self is Kernels.PALLAS or (self is Kernels.AUTO and jax.default_backend() == "gpu")
 
 
 _KERNEL_BLOCK = (quant_kernel.QBLOCK, quant_kernel.QBLOCK)

@@ -65,6 +65,7 @@ import numpy as np
 
 from fp8rl_jax.models import DensePolicy, Fp8Mode, HeadSharding, ModelConfig, PagedKVCache, calibrate_kv_scales, forward
 from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
+from fp8rl_jax.models.policy import Kernels
 from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, WeightSharding, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
@@ -180,7 +181,10 @@ class JaxEngine:
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
         fp8 = config.precision in (Fp8Mode.W8A8, Fp8Mode.ALL)
         block = tuple(config.fp8_block)
-        self.policy = W8A8Policy(config.dtype, group_size=block[1]) if fp8 else DensePolicy(config.dtype)
+        # BF16 MoE experts through the Pallas grouped GEMM on one device (no VJP needed here; XLA
+        # cannot partition the kernel, so a sharded engine keeps ragged_dot)
+        dense = DensePolicy(config.dtype, ragged_kernels=Kernels.AUTO if mesh is None else Kernels.REFERENCE)
+        self.policy = W8A8Policy(config.dtype, group_size=block[1]) if fp8 else dense
         self._quantize = jax.jit(functools.partial(quantize_params, config=model_config,
                                                    layer_policy=LayerPolicy(block_size=block))) if fp8 else None
         self._sharded_quantize = None  # with a mesh: _quantize jitted to the generator's layout
