@@ -582,6 +582,14 @@ def main(argv: list[str] | None = None) -> int:
                         best = res
                 ms_bf16, _ = _time_ms(bf16_ragged, [(x,) for x in xs], (w, gs))
                 row["xla_bf16_ragged_dot"] = {"ms": ms_bf16, "tflops": flop / (ms_bf16 * 1e-3) / 1e12}
+                try:  # the unscaled BF16 twin (the generator's BF16 MoE), at the FP8 kernel's best tiles
+                    cfg = GroupedGemmConfig(**best["config"]) if best is not None else DEFAULT_CONFIG
+                    ms_g, _ = _time_ms(lambda x, q, g, cfg=cfg: grouped_gemm(x, q, g, config=cfg, interpret=False),
+                                       [(x,) for x in xs], (w, gs))
+                    row["bf16_grouped_gemm"] = {"config": dataclasses.asdict(cfg), "ms": ms_g,
+                                                "tflops": flop / (ms_g * 1e-3) / 1e12}
+                except Exception as ex:  # report and go on
+                    row["bf16_grouped_gemm"] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
                 row["dense_fp8_gemm"] = dense
                 row["best"] = best
                 out["results"].append(row)
@@ -595,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"max {row['max_group']:5d} rows): grouped fp8 {best['tflops']:6.1f} TFLOP/s "
                       f"({best['ms']:.3f} ms, bm={c['block_m']} bn={c['block_n']} w={c['num_warps']} "
                       f"s={c['num_stages']}{'' if c['n_fastest'] else ' items-fastest'}, err {best['max_rel_err_bf16_out']:.1e}) | XLA bf16 ragged_dot "
-                      f"{row['xla_bf16_ragged_dot']['tflops']:6.1f} ({ms_bf16:.3f} ms) | dense fp8_gemm "
+                      f"{row['xla_bf16_ragged_dot']['tflops']:6.1f} ({ms_bf16:.3f} ms) | bf16 grouped "
+                      f"{row['bf16_grouped_gemm'].get('tflops', float('nan')):6.1f} | dense fp8_gemm "
                       f"{dense['tflops']:6.1f} ({dense['ms']:.3f} ms)", flush=True)
     out["wall_s"] = time.perf_counter() - t_start
     save()
