@@ -60,6 +60,9 @@ axes that need it (static flags), stores always mask rows. ``group_sizes``
 is sanitized the way the reference does it: negative sizes count as 0 and
 groups are cut at M (the caller's contract is sum <= M).
 
+Unscaled twin: `grouped_gemm` (BF16 or F32 operands, no scales) runs the same work items, grid
+and K loop with plain float32-accumulated dots: the generator's BF16 MoE experts.
+
 Deviations / limits: E4M3 only; out bf16, f16 or f32; the Triton FP8 dot's
 in-tensor-core accumulation is the hardware's (reduced precision on Hopper,
 see the GPU tolerance in the tests). No TMA / wgmma pipelining (the Mosaic
@@ -226,36 +229,51 @@ def _grouped_kernel(meta_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n:
     plgpu.store(o_ref.at[pl.ds(row0, block_m)], acc.astype(o_ref.dtype), mask=keep)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _fp8_grouped_gemm(a, a_scale, b, b_scale_inv, group_sizes, out_dtype, config: GroupedGemmConfig,
-                      interpret: bool):
+def _grouped_call(a, b, group_sizes, scales, out_dtype, config: GroupedGemmConfig, interpret: bool, name: str):
+    """The pallas_call of both kernels: work items from ``group_sizes``, grid (N tiles x items) or
+    (items x N tiles); ``scales`` = (a_scale, b_scale_inv) for FP8 operands, None for unscaled."""
     m, k = a.shape
     e, n, _ = b.shape
     kb = pl.cdiv(k, BK)
     bm, bn = config.block_m, config.block_n
     meta = work_items(group_sizes, m, bm, kb)
     w = meta.shape[1]
-    as_t = a_scale.T  # [kb, M]
-    bs_t = jnp.swapaxes(jnp.repeat(b_scale_inv, BK, axis=1)[:, :n], 1, 2)  # [E, kb, N], one scale per row of B
-    kernel = functools.partial(_grouped_kernel, m=m, n=n, k=k, block_m=bm, n_fastest=config.n_fastest)
     # Index maps take (item, N tile) whatever the launch order.
     order = (lambda f: lambda j, i: f(i, j)) if config.n_fastest else (lambda f: f)
+    meta_spec = pl.BlockSpec((5, w), order(lambda i, j: (0, 0)))
+    a_spec = pl.BlockSpec((m, kb * BK), order(lambda i, j: (0, 0)))
+    b_spec = pl.BlockSpec((e, bn, kb * BK), order(lambda i, j: (0, j, 0)))
+    body = functools.partial(_grouped_kernel, m=m, n=n, k=k, block_m=bm, n_fastest=config.n_fastest)
+    if scales is None:
+        operands, in_specs = (meta, a, b), [meta_spec, a_spec, b_spec]
+
+        def kernel(meta_ref, a_ref, b_ref, o_ref):
+            body(meta_ref, a_ref, None, b_ref, None, o_ref)
+    else:
+        a_scale, b_scale_inv = scales
+        as_t = a_scale.T  # [kb, M]
+        bs_t = jnp.swapaxes(jnp.repeat(b_scale_inv, BK, axis=1)[:, :n], 1, 2)  # [E, kb, N], one scale per row of B
+        operands = (meta, a, as_t, b, bs_t)
+        in_specs = [meta_spec, a_spec, pl.BlockSpec((kb, m), order(lambda i, j: (0, 0))), b_spec,
+                    pl.BlockSpec((e, kb, bn), order(lambda i, j: (0, 0, j)))]
+        kernel = body
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(n, bn), w) if config.n_fastest else (w, pl.cdiv(n, bn)),
-        in_specs=[
-            pl.BlockSpec((5, w), order(lambda i, j: (0, 0))),
-            pl.BlockSpec((m, kb * BK), order(lambda i, j: (0, 0))),
-            pl.BlockSpec((kb, m), order(lambda i, j: (0, 0))),
-            pl.BlockSpec((e, bn, kb * BK), order(lambda i, j: (0, j, 0))),
-            pl.BlockSpec((e, kb, bn), order(lambda i, j: (0, 0, j))),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((m, bn), order(lambda i, j: (0, j))),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="fp8_block_grouped_gemm",
-    )(meta, a, as_t, b, bs_t)
+        name=name,
+    )(*operands)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def _fp8_grouped_gemm(a, a_scale, b, b_scale_inv, group_sizes, out_dtype, config: GroupedGemmConfig,
+                      interpret: bool):
+    return _grouped_call(a, b, group_sizes, (a_scale, b_scale_inv), out_dtype, config, interpret,
+                         "fp8_block_grouped_gemm")
 
 
 def _check_operands(a, a_scale, b, b_scale_inv, group_sizes, out_dtype) -> jnp.dtype:
@@ -333,32 +351,7 @@ def fp8_grouped_gemm(
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def _grouped_gemm(a, b, group_sizes, out_dtype, config: GroupedGemmConfig, interpret: bool):
-    m, k = a.shape
-    e, n, _ = b.shape
-    kb = pl.cdiv(k, BK)
-    bm, bn = config.block_m, config.block_n
-    meta = work_items(group_sizes, m, bm, kb)
-    w = meta.shape[1]
-
-    def kernel(meta_ref, a_ref, b_ref, o_ref):
-        _grouped_kernel(meta_ref, a_ref, None, b_ref, None, o_ref, m=m, n=n, k=k, block_m=bm,
-                        n_fastest=config.n_fastest)
-
-    order = (lambda f: lambda j, i: f(i, j)) if config.n_fastest else (lambda f: f)
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(n, bn), w) if config.n_fastest else (w, pl.cdiv(n, bn)),
-        in_specs=[
-            pl.BlockSpec((5, w), order(lambda i, j: (0, 0))),
-            pl.BlockSpec((m, kb * BK), order(lambda i, j: (0, 0))),
-            pl.BlockSpec((e, bn, kb * BK), order(lambda i, j: (0, j, 0))),
-        ],
-        out_specs=pl.BlockSpec((m, bn), order(lambda i, j: (0, j))),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="grouped_gemm",
-    )(meta, a, b)
+    return _grouped_call(a, b, group_sizes, None, out_dtype, config, interpret, "grouped_gemm")
 
 
 _DENSE_IN = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
