@@ -340,11 +340,12 @@ def dequantize_weight(qw: QuantizedWeight, dtype: Any = jnp.bfloat16) -> jax.Arr
 def codes_to_float32(q: jax.Array) -> jax.Array:
     """FP8 codes as float32, exactly, even when they were produced in the same jitted program.
 
-    XLA:GPU's ``simplify-fp-conversions`` pass (on under ``xla_allow_excess_precision``, the
-    default) deletes a float32 -> float8 -> float32 chain of converts as "excess precision", so a
-    quantize-then-dequantize inside one jit silently skips the quantization: on the H200 the jitted
-    FP8 reference of ``fp8_linear`` came out 3.7e-2 off the same computation run eagerly (session
-    4, ``experiments/device/train_k256_diag.py``). The optimization barrier on the codes keeps the
+    XLA:GPU may delete a float32 -> float8 -> float32 chain of converts inside one jitted program
+    as "excess precision" (its float-conversion simplification under ``xla_allow_excess_precision``,
+    on by default, is the likely pass), so a quantize-then-dequantize inside one jit silently skips
+    the quantization: on the H200 the jitted FP8 reference of ``fp8_linear`` came out 3.7e-2 off the
+    same computation run eagerly, and 1.2e-7 with this barrier (session 4,
+    ``experiments/device/train_k256_diag.py``). The optimization barrier on the codes keeps the
     rounding; everything else still fuses around it.
     """
     return jax.lax.optimization_barrier(q).astype(jnp.float32)
