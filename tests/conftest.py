@@ -25,6 +25,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def cpu_devices_env(n: int, **extra: str) -> dict:
+    """This process's environment for a child JAX process on the CPU with ``n`` host devices
+    (multi-device tests need the flag before jax initializes, hence a subprocess)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, **extra}
+
+
+def run_device_child(script: Path | str, out: Path, devices: int, timeout: int = 600) -> dict:
+    """Runs ``python script out`` on ``devices`` CPU devices; returns the JSON it wrote to ``out``."""
+    proc = subprocess.run([sys.executable, str(script), str(out)], check=False, capture_output=True, text=True,
+                          env=cpu_devices_env(devices), cwd=REPO, timeout=timeout)
+    assert proc.returncode == 0, f"{devices}-device child failed:\n{proc.stderr[-6000:]}"
+    return json.loads(Path(out).read_text())
+
+
 def ref_python() -> str:
     """The Python of the reference venv (CPU torch + transformers). Missing it is a failure:
     the parity tests are the point of the suite, so they never skip silently."""

@@ -6,13 +6,14 @@ over all 4 devices of both."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import cpu_devices_env
 
 from fp8rl_jax.parallel.distributed import DistributedConfigError, initialize_distributed, settings_from_env
 
@@ -71,9 +72,8 @@ def test_two_processes_form_one_mesh(tmp_path):
     script.write_text(CHILD.format(repo=str(REPO)))
     procs = []
     for pid in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
-               "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
-               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()}
+        env = cpu_devices_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+                              JAX_PROCESS_ID=str(pid))
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=180)[0] for p in procs]

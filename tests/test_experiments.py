@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 
+from conftest import cpu_devices_env
+
 from configs.models import tiny_qwen3, tiny_qwen3_moe
 from fp8rl_jax.models import Fp8Mode
 
@@ -119,15 +121,13 @@ def test_bench_scaling_tiny_on_two_cpu_devices(tmp_path):
     """The 1-vs-2-device benchmark (TP generator, FSDP train step, FSDP -> TP sync) runs end to end
     on two CPU devices (a child process: the device count is fixed when JAX starts)."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "scaling.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()}
+    env = cpu_devices_env(2)
     proc = subprocess.run([sys.executable, str(repo / "experiments" / "bench_scaling.py"), "--preset", "tiny_qwen3",
                            "--tiny", "--out", str(out)], env=env, cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from conftest import run_device_child
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -418,15 +419,8 @@ def _child(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parallel") / "results.json"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                                      f"--xla_force_host_platform_device_count={DEVICES}".strip(),
-           "JAX_PLATFORMS": "cpu"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, str(out)], check=False, capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=600)
-    assert proc.returncode == 0, f"8-device child failed:\n{proc.stderr[-6000:]}"
-    results = json.loads(out.read_text())
+    results = run_device_child(__file__, tmp_path_factory.mktemp("parallel") / "results.json", DEVICES)
     results["wall_s"] = time.perf_counter() - t0
     print(json.dumps({k: v for k, v in results.items() if k != "train/fsdp8"}, indent=1)[:4000])
     return results

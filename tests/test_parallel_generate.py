@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import run_device_child
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # when run as the child script
@@ -184,14 +185,7 @@ def _pallas_gemm_per_shard(mesh) -> dict:
 
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / "results.json"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                                      f"--xla_force_host_platform_device_count={DEVICES}".strip(),
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, __file__, str(out)], check=False, capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=600)
-    assert proc.returncode == 0, f"8-device child failed:\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return run_device_child(__file__, tmp_path_factory.mktemp("tp") / "results.json", DEVICES)
 
 
 @pytest.mark.parametrize("case", ["tp2", "tp4", "tp2_pallas", "tp2_preempt", "tp2_after_fsdp_sync",
