@@ -35,7 +35,8 @@ Math (the reference does the same in the same order, in one block)::
 
     c = k_scale * H**-0.5                            # one float32 scalar
     s_j = (q . k8_j) * c                            # k8 upcast to q's dtype (exact for E4M3 ->
-                                                     # bf16/f32), dot accumulates in float32
+                                                     # bf16/f32/f16; FP8 pools may use float16
+                                                     # dots, `fp8_dot_dtype`), float32 accumulation
     online softmax over blocks, float32:  m, l, acc   (masked logits = float32 min)
     p_j = exp(s_j - m) cast to q's dtype, acc += p @ v8 (float32 accumulation)
     out = acc / l * v_scale                          (per split: o_s = acc_s / l_s,
@@ -70,6 +71,11 @@ of several kv heads or rows, warp-specialized producer/consumer warpgroups, and 
 split combine (no partials round trip); the Triton version relies on ``num_stages`` software
 pipelining of the gathers.
 
+Tuning: `default_config` takes the config measured fastest for the pool dtype on this device kind
+from ``paged_attention_tuning.json`` (``main --tuning-out``); on the H200 at B = 256, context
+<= 2048: BF16 2 pages/block, 1 warp, 7 stages, 82.7% of the HBM copy ceiling; FP8 2 pages/block,
+1 warp, 5 stages with float16 dots, 61.0% (bfloat16 dots at best 46%).
+
 Codegen (Triton 3.6 offline for sm_90, ``experiments/inspect_triton_codegen.py``): the K/V gather
 is one 2-D ``[tokens, H]`` pointer tile with a page id per token row, so both K and V go through
 16-byte ``cp.async`` into shared memory and feed ``mma.sync m16n8k16`` via ``ldmatrix`` (a
@@ -89,8 +95,10 @@ import argparse
 import dataclasses
 import enum
 import functools
+import json
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -98,13 +106,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import median_ms, resolve_interpret, write_results
+from pallas_kernels.common import median_ms, resolve_interpret, run_environment, write_results
 
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), _FP8)
 _Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _MASK_VALUE = float(np.finfo(np.float32).min)
 MIN_ROWS = 16  # smallest M of a Triton dot
+_FP8_DOT_DTYPES = ("bfloat16", "float16")
+_F16_MAX = float(np.finfo(np.float16).max)
 
 
 class KvLayout(enum.Enum):
@@ -132,6 +142,11 @@ class PagedAttentionConfig:
       max_splits: cap on the splits of a row (and on the grid's split axis).
       num_warps: Triton warps per program.
       num_stages: Triton software-pipelining stages of the block loop.
+      fp8_dot_dtype: ``"bfloat16"`` or ``"float16"``: the dtype FP8 tiles (and q, P) are converted
+        to for the tensor-core dots of an FP8 pool with a bfloat16 q. E4M3 converts to float16
+        exactly with one packed instruction per two values (``cvt.rn.f16x2.e4m3x2``) and float16
+        keeps 3 more mantissa bits of q and P than bfloat16; q is clamped to float16's range
+        first. Ignored for bfloat16 / float32 pools and float32 queries.
     """
 
     pages_per_block: int = 8
@@ -139,6 +154,7 @@ class PagedAttentionConfig:
     max_splits: int = 16
     num_warps: int = 4
     num_stages: int = 2
+    fp8_dot_dtype: str = "bfloat16"
 
     def __post_init__(self):
         if not _pow2(self.pages_per_block):
@@ -148,6 +164,9 @@ class PagedAttentionConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"PagedAttentionConfig.{name} must be a positive int, got {v!r}")
+        if self.fp8_dot_dtype not in _FP8_DOT_DTYPES:
+            raise ValueError(f"PagedAttentionConfig.fp8_dot_dtype must be one of {_FP8_DOT_DTYPES}, "
+                             f"got {self.fp8_dot_dtype!r}")
 
     def grid_splits(self, max_pages: int) -> int:
         """S, the grid's split axis: the most splits any row of at most ``max_pages`` pages takes."""
@@ -155,6 +174,29 @@ class PagedAttentionConfig:
 
 
 DEFAULT_CONFIG = PagedAttentionConfig()
+
+# Measured tuning (``main --tuning-out``): per device kind, the fastest config of each pool dtype at
+# the rollout's decode shape. `default_config` uses an entry only on the device kind it was measured on.
+TUNING_FILE = Path(__file__).with_name("paged_attention_tuning.json")
+
+
+@functools.cache
+def _tuning(device_kind: str) -> dict[str, PagedAttentionConfig]:
+    if not TUNING_FILE.exists():
+        return {}
+    table = json.loads(TUNING_FILE.read_text())
+    return {e["pool"]: PagedAttentionConfig(**e["config"]) for e in table.get("entries", [])
+            if e.get("device_kind") == device_kind}
+
+
+def _device_kind() -> str:
+    return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "cpu"
+
+
+def default_config(pool_dtype) -> PagedAttentionConfig:
+    """The measured best for pools of ``pool_dtype`` on this device kind (`TUNING_FILE`), else
+    `DEFAULT_CONFIG`."""
+    return _tuning(_device_kind()).get(jnp.dtype(pool_dtype).name, DEFAULT_CONFIG)
 SWEEP_CONFIGS = (
     PagedAttentionConfig(pages_per_block=4, pages_per_split=64, num_warps=4, num_stages=2),
     PagedAttentionConfig(pages_per_block=8, pages_per_split=32, num_warps=4, num_stages=2),
@@ -171,19 +213,31 @@ SWEEP_CONFIGS = (
     PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=4, num_stages=7),
     # one warp: no cross-warp softmax reductions (2 barriers per block instead of 9)
     PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=1, num_stages=5),
+    # the BF16 best of session 5's wide sweep (82.7% of the copy ceiling at B = 256, ctx <= 2048)
+    PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=1, num_stages=7),
+    PagedAttentionConfig(pages_per_block=4, pages_per_split=64, num_warps=1, num_stages=5),
+    PagedAttentionConfig(pages_per_block=16, pages_per_split=64, num_warps=4, num_stages=2),
 )
 
 
+def _dot_dtype(q_dtype, pool_dtype, config: PagedAttentionConfig):
+    """The dtype of the kernel's dot operands: q's, except float16 for an FP8 pool with a bfloat16
+    q when the config asks for it."""
+    if (jnp.dtype(pool_dtype) == _FP8 and jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16)
+            and config.fp8_dot_dtype == "float16"):
+        return jnp.dtype(jnp.float16)
+    return jnp.dtype(q_dtype)
+
+
 def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, num_splits: int,
-                   pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int):
+                   pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int, cdt):
     """Refs: len [B], pt [B, max_pages + pages_per_block], scale [2] (k_scale * H^-0.5, v_scale),
     q [Gp, H], k/v [P, page_size, H] (this kv head); out [Gp, H] (S == 1) or o [Gp, H] f32 and
-    lse [Gp] f32."""
+    lse [Gp] f32. ``cdt``: the dots' operand dtype (`_dot_dtype`)."""
     b, s = pl.program_id(0), pl.program_id(2)
     gp, h = q_ref.shape
     ps = k_ref.shape[1]
     bp = pages_per_block
-    cdt = q_ref.dtype
     prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
 
     length = jnp.minimum(len_ref[b], max_pages * ps)
@@ -194,6 +248,8 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     p_end = jnp.minimum(p_start + pps, n_pages)
     n_blocks = (jnp.maximum(p_end - p_start, 0) + bp - 1) // bp
     q = q_ref[...]
+    if q.dtype != cdt:  # bfloat16 -> float16: clamp to its range (no inf from a huge query)
+        q = jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt)
     k_scale, v_scale = scale_ref[0], scale_ref[1]
     nt = bp * ps  # tokens per block
     row = jnp.arange(nt, dtype=jnp.int32)
@@ -265,7 +321,8 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()) * (H**-0.5),
                         jnp.asarray(v_scale, jnp.float32).reshape(())])
     kernel = functools.partial(_decode_kernel, num_splits=S, pages_per_block=bp,
-                               pages_per_split=config.pages_per_split, max_pages=max_pages, num_pages=P)
+                               pages_per_split=config.pages_per_split, max_pages=max_pages, num_pages=P,
+                               cdt=_dot_dtype(q.dtype, k_pages.dtype, config))
     in_specs = [
         pl.BlockSpec((B,), lambda b, k, s: (0,)),
         pl.BlockSpec((B, max_pages + bp), lambda b, k, s: (0, 0)),
@@ -379,14 +436,15 @@ def paged_attention(
         are ignored.
       lengths: ``[B]`` int32 valid keys per row (the new token included), at least 1; values
         past ``max_pages * page_size`` are clamped to it.
-      config: tuning (`PagedAttentionConfig`); None uses `DEFAULT_CONFIG`.
+      config: tuning (`PagedAttentionConfig`); None uses `default_config` of the pool dtype (the
+        measured table of this device kind, else `DEFAULT_CONFIG`).
       interpret: None runs natively on a GPU backend and in interpret mode otherwise.
       layout: the pools' axis order (`KvLayout`).
 
     Returns:
       ``[B, N, H]`` in q's dtype (zeros for a row of length 0).
     """
-    config = DEFAULT_CONFIG if config is None else config
+    config = default_config(k_pages.dtype) if config is None else config
     if not isinstance(config, PagedAttentionConfig):
         raise ValueError(f"config must be a PagedAttentionConfig or None, got {type(config).__name__}")
     interpret = resolve_interpret(interpret)
@@ -421,21 +479,25 @@ def _fit_shared_memory(config: PagedAttentionConfig, k_pages: jax.Array,
     return config if ppb == config.pages_per_block else dataclasses.replace(config, pages_per_block=ppb)
 
 
-@jax.jit
-def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("config",))
+def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
+                              config: PagedAttentionConfig = DEFAULT_CONFIG) -> jax.Array:
     """Pure-jnp twin of `paged_attention`: the same math in one block per row (gathers every page
-    of the table, masks keys at or past the length; garbage ids are clamped like the kernel's)."""
+    of the table, masks keys at or past the length; garbage ids are clamped like the kernel's).
+    ``config`` matters only through ``fp8_dot_dtype`` (the dots' operand dtype)."""
     _check_operands(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths)
     B, N, H = q.shape
     P, ps, K, _ = k_pages.shape
     max_pages = page_table.shape[1]
-    cdt = q.dtype
+    cdt = _dot_dtype(q.dtype, k_pages.dtype, config)
     prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
     ids = jnp.clip(page_table, 0, P - 1)
     kg = k_pages[ids].reshape(B, max_pages * ps, K, H).astype(cdt)
     vg = v_pages[ids].reshape(B, max_pages * ps, K, H).astype(cdt)
     c = jnp.asarray(k_scale, jnp.float32).reshape(()) * (H**-0.5)
     qg = q.reshape(B, K, N // K, H)
+    if qg.dtype != cdt:
+        qg = jnp.clip(qg.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt)
     logits = jnp.einsum("bkgh,bskh->bkgs", qg, kg, precision=prec, preferred_element_type=jnp.float32) * c
     valid = jnp.arange(max_pages * ps)[None, :] < jnp.minimum(lengths, max_pages * ps)[:, None]
     logits = jnp.where(valid[:, None, None], logits, _MASK_VALUE)
@@ -532,6 +594,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="*", default=[KvLayout.NHD.value], choices=[x.value for x in KvLayout])
     parser.add_argument("--quick", action="store_true", help="default config only (no sweep)")
     parser.add_argument("--wide", action="store_true", help="sweep `wide_sweep()` instead of SWEEP_CONFIGS")
+    parser.add_argument("--fp8-dot-dtypes", nargs="*", default=list(_FP8_DOT_DTYPES), choices=_FP8_DOT_DTYPES,
+                        help="for FP8 pools, time every config with each of these dot dtypes")
+    parser.add_argument("--tuning-out", default=None,
+                        help="write the best config per pool dtype on this device kind as a tuning table (the "
+                             f"library reads {TUNING_FILE.name} next to this file); from the largest shape run")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="after this many seconds, time the default config only (keeps a device run bounded)")
     args = parser.parse_args(argv)
@@ -542,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sweep = wide_sweep() if args.wide else SWEEP_CONFIGS
     configs = (DEFAULT_CONFIG,) if args.quick else (DEFAULT_CONFIG,) + sweep
-    results = []
+    results, tuned = [], {}
     for batch in args.batch:  # bf16 and fp8 side by side per shape, so a cut-short run compares them
         for context in args.context:
             for dtype_name in args.dtypes:
@@ -556,8 +623,17 @@ def main(argv: list[str] | None = None) -> int:
                         kp, vp = (jnp.transpose(x, (0, 2, 1, 3)) for x in (kp_nhd, vp_nhd))
                     else:
                         kp, vp = kp_nhd, vp_nhd
-                    results.append(_bench_shape(args, t_start, configs, layout, dtype_name, batch, context, nbytes,
-                                                ref, (q, kp, vp, ks, vs, table, lengths)))
+                    shape_configs = configs
+                    if jnp.dtype(dtype_name) == _FP8:
+                        shape_configs = tuple(dataclasses.replace(c, fp8_dot_dtype=d) for c in configs
+                                              for d in args.fp8_dot_dtypes)
+                    row = _bench_shape(args, t_start, shape_configs, layout, dtype_name, batch, context, nbytes,
+                                       ref, (q, kp, vp, ks, vs, table, lengths))
+                    results.append(row)
+                    if layout is KvLayout.NHD and row.get("swept") and "best" in row:
+                        size = batch * context
+                        if size >= tuned.get(dtype_name, (0, None))[0]:
+                            tuned[dtype_name] = (size, row["best"])
                     if args.out:
                         write_results(args.out, results)
                     del kp, vp
@@ -571,6 +647,13 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 if args.out:
                     write_results(args.out, results)
+    if args.tuning_out:
+        kind = _device_kind()
+        entries = [{"device_kind": kind, "pool": name, "config": best["config"], "ms": best["ms"],
+                    "pct_copy_ceiling": best["pct_copy_ceiling"]} for name, (_, best) in sorted(tuned.items())]
+        Path(args.tuning_out).write_text(json.dumps({"environment": run_environment(), "entries": entries}, indent=1)
+                                         + "\n")
+        print(f"wrote {args.tuning_out}")
     if args.out:
         print(f"wrote {args.out}")
     return 0
@@ -578,12 +661,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench_shape(args, t_start, configs, layout, dtype_name, batch, context, nbytes, ref, inputs) -> dict:
     """Times every config on one shape and layout; the row of results (best config included)."""
-    q, kp = inputs[0], inputs[1]
+    kp = inputs[1]
     row = {"pool": dtype_name, "layout": layout.value, "B": batch, "context": context, "bytes": nbytes,
            "configs": []}
     best = None
     over = args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds
     for cfg in (DEFAULT_CONFIG,) if over else configs:
+        if args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds and row["configs"]:
+            over = True  # the time is up in the middle of a sweep: keep what was timed
+            break
         run_cfg = fit_config(cfg, kp, layout)
         try:
             out = paged_attention(*inputs, config=run_cfg, interpret=False, layout=layout)
@@ -604,11 +690,12 @@ def _bench_shape(args, t_start, configs, layout, dtype_name, batch, context, nby
                        "pct_copy_ceiling": 100 * best[2] / (HBM_COPY_TBPS * 1e3), "max_rel_err": best[3]}
         print(f"{dtype_name:14s} {layout.value} B={batch:4d} ctx<={context:5d}: {best[2]:7.1f} GB/s "
               f"({100 * best[2] / (HBM_COPY_TBPS * 1e3):4.1f}% of {HBM_COPY_TBPS} TB/s), {best[1]:.3f} ms, "
-              f"pps={c.pages_per_split} bp={c.pages_per_block} w={c.num_warps} st={c.num_stages}, err {best[3]:.1e}",
-              flush=True)
+              f"pps={c.pages_per_split} bp={c.pages_per_block} w={c.num_warps} st={c.num_stages} "
+              f"dot={c.fp8_dot_dtype}, err {best[3]:.1e} ({len(row['configs'])} configs)", flush=True)
     else:
         print(f"{dtype_name} {layout.value} B={batch} ctx={context}: every config failed", flush=True)
-    row["swept"] = not over and not args.quick
+    row["swept"] = not args.quick and len(row["configs"]) > 1
+    row["sweep_complete"] = not over and not args.quick
     return row
 
 

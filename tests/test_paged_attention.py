@@ -105,6 +105,9 @@ CASES = {
     "fp8-bf16q-G3-split": (
         {"N": 6, "K": 2, "H": 32, "ps": 8, "max_pages": 10, "pool": FP8, "q_dtype": BF16}, [9, 64, 1],
         pa.PagedAttentionConfig(pages_per_block=2, pages_per_split=2, max_splits=3)),
+    "fp8-bf16q-f16dots-split": (
+        {"N": 8, "K": 2, "H": 32, "ps": 4, "max_pages": 12, "pool": FP8, "q_dtype": BF16}, [45, 3, 16],
+        pa.PagedAttentionConfig(pages_per_block=2, pages_per_split=4, max_splits=3, fp8_dot_dtype="float16")),
     "fp8-f32q-mqa-G8": (
         {"N": 8, "K": 1, "H": 16, "ps": 16, "max_pages": 8, "pool": FP8, "q_dtype": F32}, [17, 100],
         pa.PagedAttentionConfig(pages_per_block=1, pages_per_split=4, max_splits=2)),
@@ -124,12 +127,25 @@ class TestPagedAttentionInterpret:
         got = pa.paged_attention(*args, config=cfg, interpret=self.INTERPRET)
         assert got.shape == args[0].shape and got.dtype == args[0].dtype
         assert np.isfinite(np.asarray(got.astype(F32))).all(), "poisoned (unused) slots reached the output"
-        ref = pa.paged_attention_reference(*args)
+        ref = pa.paged_attention_reference(*args, config=cfg)
         want = attention_f64(q64, row_kv, kw["K"])
         qd = kw["q_dtype"]
         assert _max_rel(ref, want) < TOL_F64[qd]
         assert _max_rel(got, want) < TOL_F64[qd], (_max_rel(got, want), name)
         assert _max_rel(got, ref) < TOL_REF[qd], (_max_rel(got, ref), name)
+
+    def test_f16_dots_clamp_huge_queries(self):
+        """float16 dots of an FP8 pool: a bfloat16 query beyond float16's range is clamped to it (no
+        inf, no NaN); the result equals the twin's, which clamps the same way."""
+        kw = {"N": 4, "K": 1, "H": 16, "ps": 4, "max_pages": 6, "pool": FP8, "q_dtype": BF16}
+        args, _, _ = make_case(5, [7, 22], **kw)
+        q = args[0].at[0, 1, 3].set(1e6).at[1, 0, 0].set(-3e5)
+        args = (q, *args[1:])
+        cfg = pa.PagedAttentionConfig(pages_per_block=4, pages_per_split=64, fp8_dot_dtype="float16")
+        got = np.asarray(pa.paged_attention(*args, config=cfg, interpret=self.INTERPRET).astype(F32))
+        ref = np.asarray(pa.paged_attention_reference(*args, config=cfg).astype(F32))
+        assert np.isfinite(got).all()
+        assert _max_rel(got, ref) < TOL_REF[BF16]
 
     def test_garbage_and_batch_invariance(self):
         """Different garbage in unused entries and slots gives the same bits; a row computed in a
@@ -285,6 +301,30 @@ def test_validation_errors():
         pa.PagedAttentionConfig(pages_per_block=3)
     with pytest.raises(ValueError, match="config must be a PagedAttentionConfig"):
         pa.paged_attention(*args, config=dataclasses.asdict(pa.DEFAULT_CONFIG), interpret=True)
+    with pytest.raises(ValueError, match="fp8_dot_dtype must be one of"):
+        pa.PagedAttentionConfig(fp8_dot_dtype="float8_e4m3fn")
+
+
+def test_default_config_reads_the_tuning_table_of_this_device_kind(tmp_path, monkeypatch):
+    """An entry measured on another device kind is never used; a matching one is, per pool dtype."""
+    fp8_cfg = pa.PagedAttentionConfig(pages_per_block=2, num_warps=1, num_stages=7, fp8_dot_dtype="float16")
+    table = {"entries": [
+        {"device_kind": "NVIDIA H200", "pool": "float8_e4m3fn", "config": dataclasses.asdict(fp8_cfg)},
+        {"device_kind": "other", "pool": "bfloat16", "config": dataclasses.asdict(pa.PagedAttentionConfig(
+            pages_per_block=16))},
+    ]}
+    path = tmp_path / "tuning.json"
+    path.write_text(__import__("json").dumps(table))
+    monkeypatch.setattr(pa, "TUNING_FILE", path)
+    pa._tuning.cache_clear()
+    try:
+        monkeypatch.setattr(pa, "_device_kind", lambda: "NVIDIA H200")
+        assert pa.default_config(FP8) == fp8_cfg
+        assert pa.default_config(BF16) == pa.DEFAULT_CONFIG
+        monkeypatch.setattr(pa, "_device_kind", lambda: "cpu")
+        assert pa.default_config(FP8) == pa.DEFAULT_CONFIG
+    finally:
+        pa._tuning.cache_clear()
 
 
 def test_main_without_gpu(capsys):
