@@ -299,3 +299,32 @@ def test_progress_hook_reports_every_device_call():
     last = seen[-1]
     assert last["generated_tokens"] == int(batch.lengths.sum()) and last["finished"] == 3 == last["requests"]
     assert last["preemptions"] == batch.preemptions > 0 and last["queued"] == 0
+
+
+def test_warmup_compiles_everything_and_changes_nothing():
+    """``warmup`` leaves the cache bit for bit as it was, the next generate equals a cold engine's
+    (FP8 KV with inference-side calibration, a page budget that forces preemption and recompute)
+    and compiles no prefill, decode or calibration program of its own."""
+    from fp8rl_jax.rollout import engine as engine_mod
+
+    cfg, rng = tiny_qwen3, np.random.default_rng(4)
+    params = init_params(cfg, jax.random.key(3), jnp.float32)
+    prompts = _prompts(rng, cfg.vocab_size, [9, 6, 11, 3])
+    sampling = SamplingConfig(temperature=0.8, max_tokens=12, ignore_eos=True, seed=4)
+    # shapes no other test compiles (the jitted programs are module-level, their caches shared)
+    ec = dataclasses.replace(F32, precision=Fp8Mode.KV, num_pages=9, steps_per_call=2, kv_calibration_prompts=3)
+    eng = JaxEngine(cfg, params, ec)
+    before = jax.tree.map(np.array, eng.cache)
+    assert eng.warmup(min_prompt_len=3, max_prompt_len=11) > 0
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, eng.cache), before)
+    sizes = [f._cache_size() for f in (engine_mod._prefill, engine_mod._decode, engine_mod._calibrate)]
+    warm = eng.generate(prompts, sampling)
+    assert warm.preemptions > 0
+    assert [f._cache_size() for f in (engine_mod._prefill, engine_mod._decode, engine_mod._calibrate)] == sizes
+    cold = JaxEngine(cfg, params, ec).generate(prompts, sampling)
+    assert warm.token_lists() == cold.token_lists()
+    np.testing.assert_array_equal(warm.logprobs, cold.logprobs)
+    with pytest.raises(ValueError, match="min_prompt_len"):
+        eng.warmup(min_prompt_len=0)
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        eng.warmup(min_prompt_len=8, max_prompt_len=4)

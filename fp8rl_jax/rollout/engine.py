@@ -297,6 +297,43 @@ class JaxEngine:
         self.cache = self.cache.replace(k_scale=k_scale, v_scale=v_scale)
         self.kv_scales_fresh = True
 
+    def warmup(self, min_prompt_len: int = 1, max_prompt_len: int | None = None) -> float:
+        """Compiles every program a generate can need, without changing the engine's state: the
+        decode loop, the prefill of every bucket from ``bucket(min_prompt_len)`` up to
+        ``bucket(max_seq_len)`` (a sequence recomputed after preemption is prefilled at its whole
+        context, up to ``max_seq_len``), and, for FP8 KV with inference-side calibration, the
+        calibration forward of the prompt buckets up to ``bucket(max_prompt_len)`` (default
+        ``max_seq_len``). Otherwise each compiles at its first use, inside a generate (seconds to
+        tens of seconds each at 8B scale). Every call is made with padding rows only (out-of-range
+        slots, no token), which write nothing. Returns the seconds spent."""
+        if not 1 <= min_prompt_len <= self.max_seq_len:
+            raise ValueError(f"min_prompt_len must be in [1, max_seq_len = {self.max_seq_len}], got {min_prompt_len}")
+        top = self.max_seq_len if max_prompt_len is None else max_prompt_len
+        if not min_prompt_len <= top <= self.max_seq_len:
+            raise ValueError(f"max_prompt_len must be in [min_prompt_len, max_seq_len = {self.max_seq_len}], "
+                             f"got {max_prompt_len}")
+        t0 = time.perf_counter()
+        buckets = sorted({self._bucket(n) for n in self.config.prefill_buckets + (self.max_seq_len,)
+                          if self._bucket(min_prompt_len) <= self._bucket(n) <= self._bucket(self.max_seq_len)})
+        P, B = self.config.prefill_batch, self.config.max_slots
+        sampling, stops, remaining = self._slot_arrays([None] * P)
+        for T in buckets:  # padding rows: slot ids out of range, no token to write
+            out = _prefill(self.params, self.cache, jnp.full((P,), B, jnp.int32), jnp.zeros((P, T), jnp.int32),
+                           jnp.zeros((P,), jnp.int32), sampling, stops, remaining, **self._static)
+            self.cache = out[3]
+        sampling, stops, remaining = self._slot_arrays([None] * B)
+        out = _decode(self.params, self.cache, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), sampling, stops,
+                      remaining, steps=self.config.steps_per_call, **self._static)
+        self.cache = out[3]
+        if self.config.fp8_kv and self.config.kv_calibration is KvCalibration.INFERENCE:
+            n = self.config.kv_calibration_prompts
+            for T in (b for b in buckets if b <= self._bucket(top)):
+                _calibrate(self.params, jnp.zeros((n, T), jnp.int32), jnp.zeros((n,), jnp.int32),
+                           config=self.model_config, policy=self.policy, percentile=self.config.kv_percentile,
+                           margin=self.config.kv_margin)
+        jax.block_until_ready(self.cache)
+        return time.perf_counter() - t0
+
     def _ensure_kv_scales(self, requests: list[_Request]) -> None:
         if not self.config.fp8_kv or self.kv_scales_fresh:
             return
@@ -305,10 +342,14 @@ class JaxEngine:
                                "trainer must call calibrate_kv_scales and set_kv_scales first")
         sample_reqs = requests[: self.config.kv_calibration_prompts]
         T = self._bucket(max(len(r.prompt) for r in sample_reqs))
-        tokens = np.zeros((len(sample_reqs), T), np.int32)
+        # always kv_calibration_prompts rows (the missing ones of length 0, ignored by the percentile):
+        # one compiled calibration per prompt bucket, whatever the batch size (a 4-prompt warm-up
+        # and a 256-prompt rollout share it)
+        tokens = np.zeros((self.config.kv_calibration_prompts, T), np.int32)
+        lengths = np.zeros((self.config.kv_calibration_prompts,), np.int32)
         for i, r in enumerate(sample_reqs):
             tokens[i, : len(r.prompt)] = r.prompt
-        lengths = np.array([len(r.prompt) for r in sample_reqs], np.int32)
+            lengths[i] = len(r.prompt)
         k, v = _calibrate(self.params, jnp.asarray(tokens), jnp.asarray(lengths), config=self.model_config,
                           policy=self.policy, percentile=self.config.kv_percentile, margin=self.config.kv_margin)
         self.set_kv_scales(k, v)
