@@ -197,6 +197,8 @@ def default_config(pool_dtype) -> PagedAttentionConfig:
     """The measured best for pools of ``pool_dtype`` on this device kind (`TUNING_FILE`), else
     `DEFAULT_CONFIG`."""
     return _tuning(_device_kind()).get(jnp.dtype(pool_dtype).name, DEFAULT_CONFIG)
+
+
 SWEEP_CONFIGS = (
     PagedAttentionConfig(pages_per_block=4, pages_per_split=64, num_warps=4, num_stages=2),
     PagedAttentionConfig(pages_per_block=8, pages_per_split=32, num_warps=4, num_stages=2),
