@@ -16,14 +16,17 @@ needed for the offline compile):
    input, so the stages are called directly.) XLA's Triton pipeline differs slightly from 3.6's.
 
     python experiments/inspect_triton_codegen.py --triton-python .scratch/venv/bin/python \\
-        [--out .scratch/codegen] [--dtypes bfloat16 float8_e4m3fn] [--bp 4 8] [--stages 2 3]
+        [--out .scratch/codegen] [--dtypes bfloat16 float8_e4m3fn] [--bp 4 8] [--stages 2 3] \\
+        [--dot-dtypes bfloat16 float16]
 
-Files: ``OUT/<dtype>_bp<b>_w<w>_s<s>.{ttir,ttgir,llir,ptx}``.
+Files: ``OUT/<dtype>[_<dot dtype>]_bp<b>_w<w>_s<s>.{ttir,ttgir,llir,ptx}`` (the dot dtype,
+``fp8_dot_dtype``, named for FP8 pools only; other pools ignore it).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -34,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int) -> list[dict]:
+def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int, dot_dtypes=("bfloat16",),
+         word_gather: bool = False) -> list[dict]:
     import functools
 
     import jax
@@ -58,20 +62,21 @@ def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int) -> lis
     P = batch * (context // 16 + 1)  # the pool size only changes nothing but the bound of the id clamp
     jobs = []
     for dt in dtypes:
-        for bp in bps:
-            for st in stages:
-                for w in warps:
-                    captured.clear()
-                    cfg = pa.PagedAttentionConfig(pages_per_block=bp, pages_per_split=64, num_warps=w, num_stages=st)
-                    args = (S((batch, 32, 128), jnp.bfloat16), S((P, 16, 8, 128), jnp.dtype(dt)),
-                            S((P, 16, 8, 128), jnp.dtype(dt)), S((), jnp.float32), S((), jnp.float32),
-                            S((batch, context // 16 + 1), jnp.int32), S((batch,), jnp.int32))
-                    fn = jax.jit(functools.partial(pa._paged_attention, config=cfg, interpret=False))
-                    fn.trace(*args).lower(lowering_platforms=("cuda",))
-                    assert len(captured) == 1, len(captured)
-                    name = f"{dt}_bp{bp}_w{w}_s{st}"
-                    (out / f"{name}.ttir").write_text(captured[0])
-                    jobs.append({"name": name, "num_warps": w, "num_stages": st})
+        fp8 = jnp.dtype(dt) == jnp.float8_e4m3fn
+        for bp, st, w, ddt in itertools.product(bps, stages, warps, dot_dtypes if fp8 else dot_dtypes[:1]):
+            captured.clear()
+            cfg = pa.PagedAttentionConfig(pages_per_block=bp, pages_per_split=64, num_warps=w, num_stages=st,
+                                          fp8_dot_dtype=ddt, fp8_word_gather=word_gather)
+            args = (S((batch, 32, 128), jnp.bfloat16), S((P, 16, 8, 128), jnp.dtype(dt)),
+                    S((P, 16, 8, 128), jnp.dtype(dt)), S((), jnp.float32), S((), jnp.float32),
+                    S((batch, context // 16 + 1), jnp.int32), S((batch,), jnp.int32))
+            fn = jax.jit(functools.partial(pa._paged_attention, config=cfg, interpret=False))
+            fn.trace(*args).lower(lowering_platforms=("cuda",))
+            assert len(captured) == 1, len(captured)
+            words = "_words" if fp8 and word_gather and ddt == "float16" else ""
+            name = f"{dt}_{ddt}{words}_bp{bp}_w{w}_s{st}" if fp8 else f"{dt}_bp{bp}_w{w}_s{st}"
+            (out / f"{name}.ttir").write_text(captured[0])
+            jobs.append({"name": name, "num_warps": w, "num_stages": st})
     return jobs
 
 
@@ -184,13 +189,17 @@ def main(argv=None) -> int:
     p.add_argument("--bp", type=int, nargs="*", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="*", default=[2, 3])
     p.add_argument("--warps", type=int, nargs="*", default=[4])
+    p.add_argument("--dot-dtypes", nargs="*", default=["bfloat16"], choices=("bfloat16", "float16"),
+                   help="fp8_dot_dtype of the configs (FP8 pools only)")
+    p.add_argument("--word-gather", action="store_true",
+                   help="fp8_word_gather=True (FP8 pools with float16 dots: uint32 words split into byte planes)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=2048)
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.phase in ("all", "dump"):
-        jobs = dump(out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context)
+        jobs = dump(out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context, a.dot_dtypes, a.word_gather)
         (out / "jobs.json").write_text(json.dumps(jobs))
     if a.phase == "all":
         env = dict(os.environ, PYTHONPATH="")

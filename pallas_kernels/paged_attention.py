@@ -147,6 +147,12 @@ class PagedAttentionConfig:
         exactly with one packed instruction per two values (``cvt.rn.f16x2.e4m3x2``) and float16
         keeps 3 more mantissa bits of q and P than bfloat16; q is clamped to float16's range
         first. Ignored for bfloat16 / float32 pools and float32 queries.
+      fp8_word_gather: with float16 dots on an FP8 pool (head dim a multiple of 64), gather the
+        pool as uint32 words of 4 E4M3 values and split them into 4 byte planes in registers (one
+        ``prmt`` + one packed ``cvt`` per two words, inline PTX), each plane a dot of H / 4: V
+        then needs no byte-wise shared-memory reads (sm_90 has no 8-bit transposing ldmatrix;
+        offline codegen: 1317 -> ~810 SASS instructions per 32-token block at 2 pages, 1 warp).
+        q and the output are permuted to plane order outside the kernel. Ignored otherwise.
     """
 
     pages_per_block: int = 8
@@ -155,6 +161,7 @@ class PagedAttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     fp8_dot_dtype: str = "bfloat16"
+    fp8_word_gather: bool = False
 
     def __post_init__(self):
         if not _pow2(self.pages_per_block):
@@ -231,14 +238,45 @@ def _dot_dtype(q_dtype, pool_dtype, config: PagedAttentionConfig):
     return jnp.dtype(q_dtype)
 
 
+# One FP8 byte plane of two uint32 words as one float16x2 (``pack=2``: $1, $2 are adjacent elements,
+# $0 their two results): prmt moves byte j of each word into the low 16 bits, cvt converts that
+# E4M3 pair exactly. Selector nibbles: result byte 0 <- byte j of $1, byte 1 <- byte j of $2.
+_PLANE_ASM = ("{ .reg .b32 x; .reg .b16 lo, hi; prmt.b32 x, $1, $2, %s; mov.b32 {lo, hi}, x; "
+              "cvt.rn.f16x2.e4m3x2 $0, lo; }")
+
+
+def _planes(tile, planes: int, cdt, unpack: str) -> list:
+    """The dot operands of a gathered K/V tile: ``[tile.astype(cdt)]`` for one plane; for four, the
+    tile holds uint32 words of four E4M3 values and plane j is byte j of every word, as float16
+    (``unpack``: "asm", one prmt + one packed cvt per two words on the GPU; "shift", the same values
+    by shifts, for interpret mode)."""
+    if planes == 1:
+        return [tile.astype(cdt)]
+    if unpack == "asm":
+        return [plgpu.elementwise_inline_asm(_PLANE_ASM % hex(((4 + j) << 4) | j), args=[tile], constraints="=r,r,r",
+                                             pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, cdt)])[0]
+                for j in range(4)]
+    return [jax.lax.bitcast_convert_type(((tile >> (8 * j)) & 0xFF).astype(jnp.uint8), _FP8).astype(cdt)
+            for j in range(4)]
+
+
+def _word_gather(config: PagedAttentionConfig, pool_dtype, cdt, head_dim: int) -> bool:
+    """Whether the kernel gathers the pool as uint32 words split into 4 byte planes."""
+    return (config.fp8_word_gather and jnp.dtype(pool_dtype) == _FP8 and jnp.dtype(cdt) == jnp.dtype(jnp.float16)
+            and head_dim % (4 * MIN_ROWS) == 0)
+
+
 def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, num_splits: int,
-                   pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int, cdt):
+                   pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int, cdt,
+                   planes: int = 1, unpack: str = "shift"):
     """Refs: len [B], pt [B, max_pages + pages_per_block], scale [2] (k_scale * H^-0.5, v_scale),
-    q [Gp, H], k/v [P, page_size, H] (this kv head); out [Gp, H] (S == 1) or o [Gp, H] f32 and
-    lse [Gp] f32. ``cdt``: the dots' operand dtype (`_dot_dtype`)."""
+    q [Gp, H], k/v [P, page_size, H / planes] (this kv head); out [Gp, H] (S == 1) or o [Gp, H]
+    f32 and lse [Gp] f32. ``cdt``: the dots' operand dtype (`_dot_dtype`). ``planes`` = 4: the
+    pools are uint32 words of 4 E4M3 values and q, out are in plane order (column ``j * H/4 + c``
+    is head dim ``4c + j``), so the logits are the sum of 4 plane dots and P@V runs per plane."""
     b, s = pl.program_id(0), pl.program_id(2)
     gp, h = q_ref.shape
-    ps = k_ref.shape[1]
+    ps, hw = k_ref.shape[1], k_ref.shape[2]  # hw = H / planes
     bp = pages_per_block
     prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
 
@@ -249,53 +287,62 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     p_start = s * pps
     p_end = jnp.minimum(p_start + pps, n_pages)
     n_blocks = (jnp.maximum(p_end - p_start, 0) + bp - 1) // bp
-    q = q_ref[...]
-    if q.dtype != cdt:  # bfloat16 -> float16: clamp to its range (no inf from a huge query)
-        q = jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt)
+    qs = [q_ref[...]] if planes == 1 else [q_ref[:, pl.ds(j * hw, hw)] for j in range(planes)]
+    if qs[0].dtype != cdt:  # bfloat16 -> float16: clamp to its range (no inf from a huge query)
+        qs = [jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt) for q in qs]
     k_scale, v_scale = scale_ref[0], scale_ref[1]
     nt = bp * ps  # tokens per block
     row = jnp.arange(nt, dtype=jnp.int32)
     row_page, row_tok = row // ps, row % ps  # block row -> (page in block, token in page)
-    h_off = jnp.arange(h, dtype=jnp.int32)
+    h_off = jnp.arange(hw, dtype=jnp.int32)
     limit = jnp.minimum(p_end * ps, length)  # tokens of this split's range end here
 
     def body(i, carry):
-        m, l, acc = carry
+        m, l, accs = carry
         pages = p_start + i * bp + row_page  # [nt]: the page (index into the row's table) of each row
         # Page id per token row (a gather of bp distinct table entries, repeated ps times: L1 hits),
         # so the K/V gather below is one 2-D [nt, H] pointer tile that feeds the dots without a
         # reshape (a [bp, ps, H] tile reshaped to [nt, H] kept V out of Triton's cp.async pipeline).
         ids = jnp.clip(plgpu.load(pt_ref.at[b, pages]), 0, num_pages - 1)
         ok = pages * ps + row_tok < limit  # [nt]
-        shape2 = (nt, h)
+        shape2 = (nt, hw)
         ok2 = jnp.broadcast_to(ok[:, None], shape2)
         idx = (jnp.broadcast_to(ids[:, None], shape2), jnp.broadcast_to(row_tok[:, None], shape2),
-               jnp.broadcast_to(h_off[None, :], shape2))  # an element gather: [nt, H]
-        kt = plgpu.load(k_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, k_ref.dtype)).astype(cdt)
-        vt = plgpu.load(v_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, v_ref.dtype)).astype(cdt)
-        logits = jax.lax.dot_general(q, kt, (((1,), (1,)), ((), ())), precision=prec,
-                                     preferred_element_type=jnp.float32) * k_scale
-        logits = jnp.where(ok[None, :], logits, _MASK_VALUE)
+               jnp.broadcast_to(h_off[None, :], shape2))  # an element gather: [nt, H / planes]
+        kt = plgpu.load(k_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, k_ref.dtype))
+        vt = plgpu.load(v_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, v_ref.dtype))
+        logits = None
+        for q, kj in zip(qs, _planes(kt, planes, cdt, unpack)):
+            d = jax.lax.dot_general(q, kj, (((1,), (1,)), ((), ())), precision=prec,
+                                    preferred_element_type=jnp.float32)
+            logits = d if logits is None else logits + d
+        logits = jnp.where(ok[None, :], logits * k_scale, _MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
-        pv = jax.lax.dot_general(p.astype(cdt), vt, (((1,), (0,)), ((), ())), precision=prec,
-                                 preferred_element_type=jnp.float32)
-        return m_new, l, acc * alpha[:, None] + pv
+        pc = p.astype(cdt)
+        accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(pc, vj, (((1,), (0,)), ((), ())), precision=prec,
+                                                                preferred_element_type=jnp.float32)
+                     for acc, vj in zip(accs, _planes(vt, planes, cdt, unpack)))
+        return m_new, l, accs
 
     init = (jnp.full((gp,), _MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32),
-            jnp.zeros((gp, h), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+            tuple(jnp.zeros((gp, hw), jnp.float32) for _ in range(planes)))
+    m, l, accs = jax.lax.fori_loop(0, n_blocks, body, init)
     has = l > 0
     inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
-    if num_splits == 1:
-        (o_ref,) = out_refs
-        o_ref[...] = (acc * (inv * v_scale)[:, None]).astype(o_ref.dtype)
-    else:
-        o_ref, lse_ref = out_refs
-        o_ref[...] = acc * (inv * v_scale)[:, None]
-        lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), _MASK_VALUE)
+    o_ref = out_refs[0]
+    for j, acc in enumerate(accs):
+        out = acc * (inv * v_scale)[:, None]
+        if num_splits == 1:
+            out = out.astype(o_ref.dtype)
+        if planes == 1:
+            o_ref[...] = out
+        else:
+            o_ref[:, pl.ds(j * hw, hw)] = out
+    if num_splits > 1:
+        out_refs[1][...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), _MASK_VALUE)
 
 
 def _pool_dims(pages, layout: KvLayout) -> tuple[int, int, int, int]:
@@ -316,7 +363,14 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     max_pages = page_table.shape[1]
     bp = config.pages_per_block
     S = config.grid_splits(max_pages)
+    cdt = _dot_dtype(q.dtype, k_pages.dtype, config)
+    planes = 4 if _word_gather(config, k_pages.dtype, cdt, H) else 1
     qg = q.reshape(B, K, G, H)
+    if planes > 1:  # plane order: column j * H/4 + c holds head dim 4c + j (byte j of word c)
+        qg = qg.reshape(B, K, G, H // 4, 4).swapaxes(-1, -2).reshape(B, K, G, H)
+        # [..., H] E4M3 -> [..., H/4] uint32, byte j of word c = dim 4c + j (a bitcast, no copy)
+        k_pages, v_pages = (jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], H // 4, 4), jnp.uint32)
+                            for x in (k_pages, v_pages))
     if gp != G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
     pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, bp)))
@@ -324,7 +378,8 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
                         jnp.asarray(v_scale, jnp.float32).reshape(())])
     kernel = functools.partial(_decode_kernel, num_splits=S, pages_per_block=bp,
                                pages_per_split=config.pages_per_split, max_pages=max_pages, num_pages=P,
-                               cdt=_dot_dtype(q.dtype, k_pages.dtype, config))
+                               cdt=cdt, planes=planes, unpack="shift" if interpret else "asm")
+    hw = H // planes
     in_specs = [
         pl.BlockSpec((B,), lambda b, k, s: (0,)),
         pl.BlockSpec((B, max_pages + bp), lambda b, k, s: (0, 0)),
@@ -332,9 +387,9 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
         pl.BlockSpec((None, None, gp, H), lambda b, k, s: (b, k, 0, 0)),
     ]
     if layout is KvLayout.HND:  # the kernel sees this kv head's pool as [P, page_size, H] either way
-        pool_spec = pl.BlockSpec((P, None, ps, H), lambda b, k, s: (0, k, 0, 0))
+        pool_spec = pl.BlockSpec((P, None, ps, hw), lambda b, k, s: (0, k, 0, 0))
     else:
-        pool_spec = pl.BlockSpec((P, ps, None, H), lambda b, k, s: (0, 0, k, 0))
+        pool_spec = pl.BlockSpec((P, ps, None, hw), lambda b, k, s: (0, 0, k, 0))
     in_specs += [pool_spec, pool_spec]
     if S == 1:
         out_specs = pl.BlockSpec((None, None, gp, H), lambda b, k, s: (b, k, 0, 0))
@@ -363,7 +418,10 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
         for i in range(1, S):  # a fixed elementwise order (no reduction whose order depends on B)
             num, den = num + o[i] * w[i][..., None], den + w[i]
         out = num / jnp.maximum(den, 1e-30)[..., None]
-    return out[:, :, :G].reshape(B, N, H).astype(q.dtype)
+    out = out[:, :, :G]
+    if planes > 1:  # back from plane order
+        out = out.reshape(B, K, G, 4, H // 4).swapaxes(-1, -2)
+    return out.reshape(B, N, H).astype(q.dtype)
 
 
 def supports(page_size: int, head_dim: int) -> bool:
@@ -588,10 +646,11 @@ def wide_sweep() -> tuple[PagedAttentionConfig, ...]:
 def fp8_sweep() -> tuple[PagedAttentionConfig, ...]:
     """The neighbourhood of the FP8 pool's measured best (2 pages/block, 1 warp, 5 stages, float16
     dots: 61% of the copy ceiling on the H200, where bfloat16 dots, more warps and larger blocks
-    were all slower): smaller blocks, 1-2 warps, 4-6 stages, two split sizes, float16 dots."""
-    return tuple(PagedAttentionConfig(pages_per_block=b, pages_per_split=pps, num_warps=w, num_stages=st,
-                                      fp8_dot_dtype="float16")
-                 for b in (1, 2, 4) for w in (1, 2) for st in (4, 5, 6) for pps in (32, 64))
+    were all slower): 1-4 pages per block, 1-2 warps, 4-6 stages, float16 dots, with and without
+    the word gather (`fp8_word_gather`)."""
+    return tuple(PagedAttentionConfig(pages_per_block=b, pages_per_split=64, num_warps=w, num_stages=st,
+                                      fp8_dot_dtype="float16", fp8_word_gather=words)
+                 for words in (True, False) for b in (1, 2, 4) for w in (1, 2) for st in (4, 5, 6))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,14 @@ CASES = {
     "fp8-bf16q-f16dots-split": (
         {"N": 8, "K": 2, "H": 32, "ps": 4, "max_pages": 12, "pool": FP8, "q_dtype": BF16}, [45, 3, 16],
         pa.PagedAttentionConfig(pages_per_block=2, pages_per_split=4, max_splits=3, fp8_dot_dtype="float16")),
+    "fp8-bf16q-f16dots-words": (
+        {"N": 8, "K": 2, "H": 64, "ps": 4, "max_pages": 12, "pool": FP8, "q_dtype": BF16}, [45, 3, 16],
+        pa.PagedAttentionConfig(pages_per_block=2, pages_per_split=4, max_splits=3, fp8_dot_dtype="float16",
+                                fp8_word_gather=True)),
+    "fp8-bf16q-f16dots-words-nosplit": (
+        {"N": 4, "K": 1, "H": 128, "ps": 16, "max_pages": 6, "pool": FP8, "q_dtype": BF16}, [70, 16, 1],
+        pa.PagedAttentionConfig(pages_per_block=1, pages_per_split=64, num_warps=1, fp8_dot_dtype="float16",
+                                fp8_word_gather=True)),
     "fp8-f32q-mqa-G8": (
         {"N": 8, "K": 1, "H": 16, "ps": 16, "max_pages": 8, "pool": FP8, "q_dtype": F32}, [17, 100],
         pa.PagedAttentionConfig(pages_per_block=1, pages_per_split=4, max_splits=2)),

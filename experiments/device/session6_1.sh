@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Next session, call 1 (nvidia-h200-x2; carry [".vllm-h200"]; at most 8 files come back):
-#   GPU 0: FP8 paged-attention sweep around the measured best (`--fp8-focus`), merged into the
+#   GPU 0: FP8 paged-attention sweep around the measured best (`--fp8-focus`: with and without the
+#          uint32 word gather, whose inline-PTX unpacking has only been compiled offline: its GPU test
+#          is `pytest -m gpu tests/test_paged_attention.py -k "Gpu and words"`), merged into the
 #          tuning table; then our W1 rollouts, FP8 all and kv (JaxEngine.warmup before the clock).
 #   GPU 1: vLLM 0.26 on the same W1 (BF16 and FP8 W8A8 + FP8 KV, ../shared/vllm-h200 bench.py),
 #          the peer re-measured in the same session (its defaults, as in ../shared/vllm-h200/README.md).
@@ -13,6 +15,8 @@ W1="experiments/bench_rollout.py --preset qwen3_8b --workload W1 --kv-fraction 0
 (
   export CUDA_VISIBLE_DEVICES=0
   {
+    echo "== word-gather GPU tests"; timeout 90 python -m pytest -q -m gpu tests/test_paged_attention.py \
+      -k "Gpu and words" -p no:cacheprovider 2>&1 | tail -3
     echo "== paged attention fp8 focus sweep"; timeout 150 python -m pallas_kernels.paged_attention --fp8-focus \
       --batch 256 --context 2048 --dtypes float8_e4m3fn --max-seconds 120 --tuning-out "$OUT/pa_tuning_fp8.json" \
       --out "$OUT/pa_fp8_focus.json"; echo "rc=$?"
