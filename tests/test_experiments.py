@@ -22,7 +22,7 @@ def test_score_demo(tmp_path):
 
 def test_bench_rollout_tiny(tmp_path):
     bench = _load("bench_rollout")
-    engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, kv_budget_gib=0.001, max_seq_len=64,
+    engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, kv_budget_gib=0.001, max_seq_len=32,
                                  steps_per_call=4, dtype="float32")
     out = tmp_path / "rollout.json"
     res = bench.main(bench.BenchConfig(model=tiny_qwen3_moe, workload=bench.WORKLOADS["tiny"],
@@ -63,7 +63,7 @@ def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(vb, "VLLMGenerator", FakeGenerator)
     bench = _load("bench_rollout")
-    engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, kv_budget_gib=0.001, max_seq_len=64,
+    engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, kv_budget_gib=0.001, max_seq_len=32,
                                  steps_per_call=4, dtype="float32")
     template = vb.VLLMConfig(model_path="", gpu_memory_utilization=0.5, jax_memory_fraction=0.3)
     res = bench.main(bench.BenchConfig(model=tiny_qwen3, workload=bench.WORKLOADS["tiny"],
