@@ -44,6 +44,10 @@ Kernel structure (after jax's ``hopper_matmul_mgpu``, Lane semantics):
   contiguous TMA box. The consumer loads its slice of that row into registers
   in the WGMMA row layout; ``b_scale_inv[nb, kb]`` is a single scalar per step
   (``tile_n`` <= 128 divides the 128-row scale block) read from GMEM.
+* Split-K (``k_splits`` > 1, for decode shapes with few output tiles): the
+  persistent loop runs over (tile, split) pairs, each split a contiguous range
+  of K blocks with its own pipeline; partials are written in float32
+  ``[k_splits, M, N]`` and summed by XLA before the one cast to ``out_dtype``.
 * Epilogue: cast to ``out_dtype`` in registers, store to 128-byte-swizzled
   SMEM, TMA-store to GMEM (the next tile's epilogue waits for the previous
   store to have read the SMEM).
@@ -129,6 +133,10 @@ class MgpuGemmConfig:
       grid_minor_dim: the faster-moving output axis of the persistent tile loop.
       grid_tile_width: planar-snake band width of the tile loop (L2 reuse).
       num_sms: CTAs of the persistent grid; None uses the device's SM count (4 off the GPU).
+      k_splits: split-K: each output tile is computed as ``k_splits`` partial products over equal
+        ranges of K blocks (separate tiles of the persistent loop), written in float32 and summed
+        by XLA, then cast. For decode-sized M with few output tiles (M = 256, N = 1024: 32 CTA
+        tiles for 132 SMs) it gives the SMs work; costs one float32 [k_splits, M, N] round trip.
     """
 
     tile_m: int = 64
@@ -138,6 +146,7 @@ class MgpuGemmConfig:
     grid_minor_dim: MatmulDimension = MatmulDimension.N
     grid_tile_width: int = 1
     num_sms: int | None = None
+    k_splits: int = 1
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -153,6 +162,8 @@ class MgpuGemmConfig:
             raise ValueError(f"MgpuGemmConfig.grid_tile_width must be a positive int, got {self.grid_tile_width!r}")
         if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
             raise ValueError(f"MgpuGemmConfig.num_sms must be None or a positive int, got {self.num_sms!r}")
+        if not isinstance(self.k_splits, int) or self.k_splits < 1:
+            raise ValueError(f"MgpuGemmConfig.k_splits must be a positive int, got {self.k_splits!r}")
 
     @property
     def cta_tile_m(self) -> int:
@@ -163,9 +174,11 @@ class MgpuGemmConfig:
         return self.tile_n * (2 if self.wg_dimension == MatmulDimension.N else 1)
 
     def smem_bytes(self, out_dtype) -> int:
-        """Shared memory the kernel allocates: pipeline stages (A, B, scale row) + epilogue buffers."""
+        """Shared memory the kernel allocates: pipeline stages (A, B, scale row) + epilogue buffers
+        (float32 partials with split-K)."""
         stage = self.cta_tile_m * BK + self.cta_tile_n * BK + self.cta_tile_m * 4
-        return self.max_concurrent_steps * stage + 2 * self.tile_m * self.tile_n * jnp.dtype(out_dtype).itemsize
+        itemsize = 4 if self.k_splits > 1 else jnp.dtype(out_dtype).itemsize
+        return self.max_concurrent_steps * stage + 2 * self.tile_m * self.tile_n * itemsize
 
 
 # Chosen from the H200 sweep of 2026-11-30 (experiments/results/gemm_mgpu_h200.json): CTA tiles of
@@ -193,6 +206,11 @@ DECODE_SWEEP_CONFIGS = (
     MgpuGemmConfig(64, 64, MatmulDimension.M, 6),
     MgpuGemmConfig(128, 64, MatmulDimension.M, 4),
     MgpuGemmConfig(128, 64, MatmulDimension.M, 3),
+    # split-K: M = 256 with N = 1024 leaves 32 CTA tiles for 132 SMs (63 TFLOP/s measured, XLA BF16 83)
+    MgpuGemmConfig(64, 64, MatmulDimension.N, 6, k_splits=2),
+    MgpuGemmConfig(64, 64, MatmulDimension.N, 6, k_splits=4),
+    MgpuGemmConfig(64, 64, MatmulDimension.M, 6, k_splits=4),
+    MgpuGemmConfig(128, 64, MatmulDimension.M, 3, k_splits=4),
 )
 
 # Measured tuning (``main --tuning-out``): per device kind, the fastest config of each (M bucket, N,
@@ -246,9 +264,10 @@ MIN_K_BLOCKS = 1
 
 def supports(m: int, n: int, k: int, config: MgpuGemmConfig | None = None) -> bool:
     """Whether dispatchers should use `fp8_gemm_mgpu` for this shape: K a multiple of 128 with at
-    least ``MIN_K_BLOCKS`` blocks, N a multiple of the CTA tile width."""
+    least ``MIN_K_BLOCKS`` blocks (split evenly by ``k_splits``), N a multiple of the CTA tile width."""
     config = default_config(m, n, k) if config is None else config
-    return k % BK == 0 and k >= MIN_K_BLOCKS * BK and n % config.cta_tile_n == 0
+    return (k % BK == 0 and k >= MIN_K_BLOCKS * BK and (k // BK) % config.k_splits == 0
+            and n % config.cta_tile_n == 0)
 
 
 def _num_sms(config: MgpuGemmConfig) -> int:
@@ -260,13 +279,15 @@ def _num_sms(config: MgpuGemmConfig) -> int:
 
 
 def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: MgpuGemmConfig):
-    """a [Mp, K] fp8, as [K/128, Mp] f32, b [N, K] fp8, bs [N/128, K/128] f32, out [Mp, N]; out_smem [2, tm, tn]."""
+    """a [Mp, K] fp8, as [K/128, Mp] f32, b [N, K] fp8, bs [N/128, K/128] f32, out [Mp, N] (split-K:
+    f32 [k_splits, Mp, N] partials); out_smem [2, tm, tn]."""
     m, k = a_gmem.shape
     n = b_gmem.shape[0]
     out_dtype = out_gmem.dtype
     tile_m, tile_n = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
-    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // BK
+    splits = config.k_splits
+    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // BK // splits  # k_iters: K blocks per split
     split_m = config.wg_dimension == MatmulDimension.M
     stages = min(config.max_concurrent_steps, k_iters)  # the pipeline needs stages <= steps
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -297,10 +318,13 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
     def _scope(allocs):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        @plgpu.nd_loop((m_iters * n_iters * splits,), collective_axes="sm")
         def _tile_loop(info: plgpu.NDLoopInfo):
             (lin,) = info.index
+            ks, lin = lax.rem(lin, splits), lax.div(lin, splits)  # the splits of a tile run side by side
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), config.grid_minor_dim, config.grid_tile_width)
+            k0 = ks * k_iters  # this split's first K block
+            out_ref = out_gmem.at[ks] if splits > 1 else out_gmem
             cta_m_slice = pl.ds(mi * cta_m, cta_m)
             cta_n_slice = pl.ds(ni * cta_n, cta_n)
             if split_m:
@@ -313,18 +337,18 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
 
             def compute_context(run_pipeline):
                 acc0 = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
-                acc, _ = run_pipeline((acc0, bs_gmem[nb, 0]))
+                acc, _ = run_pipeline((acc0, bs_gmem[nb, k0]))
                 # The previous tile's TMA store must have read out_smem before we overwrite it.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 out_smem[wg] = acc.astype(out_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice])
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice])
 
             def step(idx, a_smem, b_smem, as_smem, carry):
                 (kb,) = idx
                 acc, sb = carry
                 # Prefetch the next block's B scale: a GMEM load whose latency the wgmma hides.
-                sb_next = bs_gmem[nb, jnp.minimum(kb + 1, k_iters - 1)]
+                sb_next = bs_gmem[nb, k0 + jnp.minimum(kb + 1, k_iters - 1)]
 
                 def mma(d_ref):
                     plgpu.wgmma(d_ref, a_smem.at[wg_m_slice], b_smem.at[wg_n_slice].T)
@@ -334,8 +358,10 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
                 s = plgpu.load(as_smem.at[wg_m_slice], layout=row_layout) * sb
                 return acc + d * lax.broadcast_in_dim(s, (tile_m, tile_n), [0]), sb_next
 
+            k_slice = pl.ds(k0 * BK, k_iters * BK)
             get_pipeline(step, compute_context)(
-                a_gmem.at[cta_m_slice, :], b_gmem.at[cta_n_slice, :], as_gmem.at[:, cta_m_slice], allocations=allocs)
+                a_gmem.at[cta_m_slice, k_slice], b_gmem.at[cta_n_slice, k_slice],
+                as_gmem.at[pl.ds(k0, k_iters), cta_m_slice], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -343,12 +369,17 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
 def _call(a, as_t, b, b_scale_inv, out_dtype, config: MgpuGemmConfig, interpret):
     m = a.shape[0]
     n = b.shape[0]
-    tiles = (m // config.cta_tile_m) * (n // config.cta_tile_n)
+    splits = config.k_splits
+    tiles = (m // config.cta_tile_m) * (n // config.cta_tile_n) * splits
+    if splits > 1:  # float32 partials, summed below
+        out_dtype, out_shape = jnp.float32, (splits, m, n)
+    else:
+        out_shape = (m, n)
     out_itemsize = jnp.dtype(out_dtype).itemsize
     out_transforms = (plgpu.TilingTransform((8, _SWIZZLE // out_itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     f = plgpu.kernel(
         functools.partial(_kernel, config=config),
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=[plgpu.SMEM((2, config.tile_m, config.tile_n), out_dtype, transforms=out_transforms)],
         grid=(min(_num_sms(config), tiles),),
         grid_names=("sm",),
@@ -369,6 +400,8 @@ def _fp8_gemm_mgpu(a, a_scale, b, b_scale_inv, out_dtype, config: MgpuGemmConfig
         a = jnp.pad(a, ((0, m_pad - m), (0, 0)))
         as_t = jnp.pad(as_t, ((0, 0), (0, m_pad - m)))
     out = _call(a, as_t, b, b_scale_inv, out_dtype, config, interpret)
+    if config.k_splits > 1:
+        out = jnp.sum(out, axis=0).astype(out_dtype)
     return out[:m] if m_pad != m else out
 
 
@@ -418,6 +451,9 @@ def fp8_gemm_mgpu(
     if k % BK:
         raise ValueError(f"fp8_gemm_mgpu needs K % {BK} == 0, got K={k}; use pallas_kernels.fp8_gemm.fp8_gemm "
                          "(masked edges) for ragged K")
+    if (k // BK) % config.k_splits:
+        raise ValueError(f"fp8_gemm_mgpu with k_splits={config.k_splits} needs K / {BK} = {k // BK} blocks to "
+                         "divide evenly among the splits")
     if n % config.cta_tile_n:
         raise ValueError(f"fp8_gemm_mgpu needs N % {config.cta_tile_n} == 0 (the CTA tile width of {config}), "
                          f"got N={n}; pick a config with a smaller tile_n / wg_dimension=M, or use "

@@ -31,6 +31,8 @@ N_SPLIT = MgpuGemmConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.N, 
 N_SPLIT_64 = MgpuGemmConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N, max_concurrent_steps=3, num_sms=3)
 TILE_M_128 = MgpuGemmConfig(tile_m=128, tile_n=128, wg_dimension=MatmulDimension.N, max_concurrent_steps=2, num_sms=2)
 DECODE_256x64 = MgpuGemmConfig(tile_m=128, tile_n=64, wg_dimension=MatmulDimension.M, max_concurrent_steps=3, num_sms=2)
+SPLIT_K3 = MgpuGemmConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N, max_concurrent_steps=2, num_sms=3,
+                          k_splits=3)
 
 
 def _operands(m: int, n: int, k: int, seed: int):
@@ -71,6 +73,7 @@ class TestInterpret:
             (64, 128, 384, N_SPLIT_64),  # tile_n=64: both warpgroups share one B scale block
             (128, 256, 256, TILE_M_128),  # tile_m=128 (two wgmma M=64 halves per warpgroup)
             (256, 128, 384, DECODE_256x64),  # CTA 256 x 64: every decode row in one CTA, weight read once
+            (72, 256, 768, SPLIT_K3),  # split-K: 3 x 2 K blocks per tile, 6 tile-splits on 3 CTAs, partial M
         ],
     )
     def test_f32_matches_reference(self, m, n, k, config):
@@ -78,6 +81,15 @@ class TestInterpret:
 
     def test_bf16_out_and_default_config(self):
         self.check(72, 256, 256, None, out_dtype=jnp.bfloat16, seed=1)
+
+    def test_split_k_bf16_out_and_uneven_split_refused(self):
+        """Split-K sums float32 partials before the one cast to the output dtype."""
+        self.check(64, 128, 512, dataclasses.replace(SPLIT_K3, k_splits=2), out_dtype=jnp.bfloat16, seed=3)
+        _, _, qa, sa, qb, sb = _operands(64, 128, 384, 4)
+        assert G.supports(64, 128, 384, SPLIT_K3)  # 3 K blocks split 3 ways
+        assert not G.supports(64, 128, 512, SPLIT_K3)
+        with pytest.raises(ValueError, match="divide evenly"):
+            fp8_gemm_mgpu(qa[:, :256], sa[:, :2], qb[:, :256], sb[:, :2], config=SPLIT_K3, interpret=self.INTERPRET)
 
     def test_close_to_unquantized_product(self):
         """The quantized GEMM stays within FP8 quantization error of the float32 product."""
@@ -167,6 +179,8 @@ def test_rejects_bad_config_and_flags():
         MgpuGemmConfig(max_concurrent_steps=1)
     with pytest.raises(ValueError, match="wg_dimension must be a MatmulDimension"):
         MgpuGemmConfig(wg_dimension="M")
+    with pytest.raises(ValueError, match="k_splits must be a positive int"):
+        MgpuGemmConfig(k_splits=0)
     with pytest.raises(ValueError, match="shared memory"):
         fp8_gemm_mgpu(*_valid(), config=MgpuGemmConfig(tile_m=128, max_concurrent_steps=8))
     with pytest.raises(ValueError, match="config must be a MgpuGemmConfig"):
