@@ -96,15 +96,15 @@ def test_bench_train_tiny(tmp_path):
 
 
 def test_fp8_grad_attribution_tiny(tmp_path):
-    """The gradient-error attribution runs its arms against float32: BF16 is the floor, FP8 on
-    every projection is above it and above FP8 on one projection alone."""
+    """The gradient-error attribution runs its arms against float32: BF16 is the floor, FP8 on one
+    projection is above it (two arms here; the CPU result file has them all)."""
     exp = _load("fp8_grad_attribution")
     out = tmp_path / "attr.json"
     res = exp.main(["--preset", "tiny_qwen3", "--layers", "1", "--batch", "2", "--seq-len", "16",
-                    "--arms", "bf16,fp8,only_v_proj", "--out", str(out)])
+                    "--arms", "bf16,only_v_proj", "--out", str(out)])
     e = res["rel_err_vs_float32"]
-    assert out.exists() and out.with_suffix(".md").exists() and set(e) == {"bf16", "fp8", "only_v_proj"}
-    assert 0 < e["bf16"] < e["only_v_proj"] < e["fp8"] < 0.5
+    assert out.exists() and out.with_suffix(".md").exists() and set(e) == {"bf16", "only_v_proj"}
+    assert 0 < e["bf16"] < e["only_v_proj"] < 0.5
 
 
 def test_bench_rl_step_tiny(tmp_path):
