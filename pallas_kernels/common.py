@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel files: the interpret-mode rule and wall-clock timing."""
+"""Helpers shared by the kernel files: the interpret-mode rule, wall-clock timing, result files and
+measured tuning tables."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import jax
 
@@ -70,3 +72,22 @@ def write_results(path, results: list) -> None:
     with open(path, "w") as f:
         json.dump({**run_environment(), "results": results}, f, indent=1)
 
+
+
+def device_kind() -> str:
+    """The key of a tuning-table entry: the GPU's device kind, or "cpu" off the GPU."""
+    return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "cpu"
+
+
+def tuning_entries(path: Path, kind: str) -> list[dict]:
+    """The entries of a kernel's measured tuning table (``main --tuning-out``) made on device kind
+    ``kind``; none when the file does not exist."""
+    if not path.exists():
+        return []
+    return [e for e in json.loads(path.read_text()).get("entries", []) if e.get("device_kind") == kind]
+
+
+def write_tuning(path, entries: list[dict]) -> None:
+    """A tuning table: the best config per shape key measured here, with the environment."""
+    Path(path).write_text(json.dumps({"environment": run_environment(), "entries": entries}, indent=1) + "\n")
+    print(f"wrote {path}")

@@ -81,7 +81,6 @@ import argparse
 import dataclasses
 import enum
 import functools
-import json
 import sys
 from pathlib import Path
 
@@ -91,7 +90,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import replay_ms, run_environment, write_results
+from pallas_kernels.common import device_kind, replay_ms, tuning_entries, write_results, write_tuning
 from pallas_kernels.fp8_gemm import BK, _check_operands, fp8_gemm_reference
 
 __all__ = [
@@ -222,24 +221,18 @@ def _m_bucket(m: int) -> int:
     return max(64, 1 << (max(m, 1) - 1).bit_length())
 
 
+_device_kind = device_kind  # module-level: the tests stand in another device kind
+
+
 @functools.cache
-def _tuning(device_kind: str) -> dict[tuple[int, int, int], MgpuGemmConfig]:
-    if not TUNING_FILE.exists():
-        return {}
-    table = json.loads(TUNING_FILE.read_text())
+def _tuning(kind: str) -> dict[tuple[int, int, int], MgpuGemmConfig]:
     out = {}
-    for e in table.get("entries", []):
-        if e.get("device_kind") != device_kind:
-            continue
+    for e in tuning_entries(TUNING_FILE, kind):
         c = dict(e["config"])
         for f in ("wg_dimension", "grid_minor_dim"):
             c[f] = MatmulDimension[c[f]]
         out[(int(e["m_bucket"]), int(e["n"]), int(e["k"]))] = MgpuGemmConfig(**c)
     return out
-
-
-def _device_kind() -> str:
-    return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "cpu"
 
 
 def default_config(m: int, n: int, k: int | None = None) -> MgpuGemmConfig:
@@ -558,9 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 write_results(args.out, results)
     if args.tuning_out:
-        Path(args.tuning_out).write_text(json.dumps({"environment": run_environment(), "entries": entries}, indent=1)
-                                         + "\n")
-        print(f"wrote {args.tuning_out}")
+        write_tuning(args.tuning_out, entries)
     if args.out:
         print(f"wrote {args.out}")
     return 0

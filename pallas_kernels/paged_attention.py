@@ -95,7 +95,6 @@ import argparse
 import dataclasses
 import enum
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -106,7 +105,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import median_ms, resolve_interpret, run_environment, write_results
+from pallas_kernels.common import (device_kind, median_ms, resolve_interpret, tuning_entries, write_results,
+                                   write_tuning)
 
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), _FP8)
@@ -187,17 +187,12 @@ DEFAULT_CONFIG = PagedAttentionConfig()
 TUNING_FILE = Path(__file__).with_name("paged_attention_tuning.json")
 
 
+_device_kind = device_kind  # module-level: the tests stand in another device kind
+
+
 @functools.cache
-def _tuning(device_kind: str) -> dict[str, PagedAttentionConfig]:
-    if not TUNING_FILE.exists():
-        return {}
-    table = json.loads(TUNING_FILE.read_text())
-    return {e["pool"]: PagedAttentionConfig(**e["config"]) for e in table.get("entries", [])
-            if e.get("device_kind") == device_kind}
-
-
-def _device_kind() -> str:
-    return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "cpu"
+def _tuning(kind: str) -> dict[str, PagedAttentionConfig]:
+    return {e["pool"]: PagedAttentionConfig(**e["config"]) for e in tuning_entries(TUNING_FILE, kind)}
 
 
 def default_config(pool_dtype) -> PagedAttentionConfig:
@@ -245,14 +240,14 @@ _PLANE_ASM = ("{ .reg .b32 x; .reg .b16 lo, hi; prmt.b32 x, $1, $2, %s; mov.b32 
               "cvt.rn.f16x2.e4m3x2 $0, lo; }")
 
 
-def _planes(tile, planes: int, cdt, unpack: str) -> list:
+def _planes(tile, planes: int, cdt, asm: bool) -> list:
     """The dot operands of a gathered K/V tile: ``[tile.astype(cdt)]`` for one plane; for four, the
     tile holds uint32 words of four E4M3 values and plane j is byte j of every word, as float16
-    (``unpack``: "asm", one prmt + one packed cvt per two words on the GPU; "shift", the same values
+    (``asm``: one prmt + one packed cvt per two words, inline PTX for the GPU; else the same values
     by shifts, for interpret mode)."""
     if planes == 1:
         return [tile.astype(cdt)]
-    if unpack == "asm":
+    if asm:
         return [plgpu.elementwise_inline_asm(_PLANE_ASM % hex(((4 + j) << 4) | j), args=[tile], constraints="=r,r,r",
                                              pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, cdt)])[0]
                 for j in range(4)]
@@ -268,7 +263,7 @@ def _word_gather(config: PagedAttentionConfig, pool_dtype, cdt, head_dim: int) -
 
 def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, num_splits: int,
                    pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int, cdt,
-                   planes: int = 1, unpack: str = "shift"):
+                   planes: int = 1, asm: bool = False):
     """Refs: len [B], pt [B, max_pages + pages_per_block], scale [2] (k_scale * H^-0.5, v_scale),
     q [Gp, H], k/v [P, page_size, H / planes] (this kv head); out [Gp, H] (S == 1) or o [Gp, H]
     f32 and lse [Gp] f32. ``cdt``: the dots' operand dtype (`_dot_dtype`). ``planes`` = 4: the
@@ -312,7 +307,7 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
         kt = plgpu.load(k_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, k_ref.dtype))
         vt = plgpu.load(v_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, v_ref.dtype))
         logits = None
-        for q, kj in zip(qs, _planes(kt, planes, cdt, unpack)):
+        for q, kj in zip(qs, _planes(kt, planes, cdt, asm)):
             d = jax.lax.dot_general(q, kj, (((1,), (1,)), ((), ())), precision=prec,
                                     preferred_element_type=jnp.float32)
             logits = d if logits is None else logits + d
@@ -324,7 +319,7 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
         pc = p.astype(cdt)
         accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(pc, vj, (((1,), (0,)), ((), ())), precision=prec,
                                                                 preferred_element_type=jnp.float32)
-                     for acc, vj in zip(accs, _planes(vt, planes, cdt, unpack)))
+                     for acc, vj in zip(accs, _planes(vt, planes, cdt, asm)))
         return m_new, l, accs
 
     init = (jnp.full((gp,), _MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32),
@@ -378,7 +373,7 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
                         jnp.asarray(v_scale, jnp.float32).reshape(())])
     kernel = functools.partial(_decode_kernel, num_splits=S, pages_per_block=bp,
                                pages_per_split=config.pages_per_split, max_pages=max_pages, num_pages=P,
-                               cdt=cdt, planes=planes, unpack="shift" if interpret else "asm")
+                               cdt=cdt, planes=planes, asm=not interpret)
     hw = H // planes
     in_specs = [
         pl.BlockSpec((B,), lambda b, k, s: (0,)),
@@ -725,9 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = _device_kind()
         entries = [{"device_kind": kind, "pool": name, "config": best["config"], "ms": best["ms"],
                     "pct_copy_ceiling": best["pct_copy_ceiling"]} for name, (_, best) in sorted(tuned.items())]
-        Path(args.tuning_out).write_text(json.dumps({"environment": run_environment(), "entries": entries}, indent=1)
-                                         + "\n")
-        print(f"wrote {args.tuning_out}")
+        write_tuning(args.tuning_out, entries)
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -313,8 +313,8 @@ class JaxEngine:
             raise ValueError(f"max_prompt_len must be in [min_prompt_len, max_seq_len = {self.max_seq_len}], "
                              f"got {max_prompt_len}")
         t0 = time.perf_counter()
-        buckets = sorted({self._bucket(n) for n in self.config.prefill_buckets + (self.max_seq_len,)
-                          if self._bucket(min_prompt_len) <= self._bucket(n) <= self._bucket(self.max_seq_len)})
+        lo, hi = self._bucket(min_prompt_len), self._bucket(self.max_seq_len)
+        buckets = sorted({b for b in self.config.prefill_buckets if lo <= b <= hi} | {hi})
         P, B = self.config.prefill_batch, self.config.max_slots
         sampling, stops, remaining = self._slot_arrays([None] * P)
         for T in buckets:  # padding rows: slot ids out of range, no token to write
