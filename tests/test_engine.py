@@ -324,6 +324,11 @@ def test_warmup_compiles_everything_and_changes_nothing():
     cold = JaxEngine(cfg, params, ec).generate(prompts, sampling)
     assert warm.token_lists() == cold.token_lists()
     np.testing.assert_array_equal(warm.logprobs, cold.logprobs)
+    stages = []
+    eng.warmup(min_prompt_len=3, max_prompt_len=11, recompute=False, progress=lambda w, s: stages.append(w))
+    # no recompute buckets: prefill buckets 8 and 16 only (bucket(11) = 16; max_seq_len's is 64)
+    assert [w for w in stages if w.startswith("prefill")] == [f"prefill {ec.prefill_batch}x{t}" for t in (8, 16)]
+    assert any(w.startswith("decode") for w in stages) and any(w.startswith("kv calibration") for w in stages)
     with pytest.raises(ValueError, match="min_prompt_len"):
         eng.warmup(min_prompt_len=0)
     with pytest.raises(ValueError, match="max_prompt_len"):

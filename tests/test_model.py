@@ -50,6 +50,32 @@ def test_cached_decode_equals_full_forward_ragged(cfg):
     chex.assert_trees_all_equal(cache.lengths, jnp.asarray(pos, jnp.int32))
 
 
+@pytest.mark.parametrize("cfg", [tiny_qwen3, tiny_qwen3_moe], ids=["dense", "moe"])
+def test_logits_at_picks_one_position_per_row(cfg):
+    """``logits_at`` returns [B, 1, V], row b's logits at position ``logits_at[b]`` of the full
+    output (what a prefill samples from), with and without a cache and with routing recorded."""
+    from fp8rl_jax.models.qwen3 import forward_with_routing
+
+    rng = np.random.default_rng(5)
+    params = init_params(cfg, jax.random.key(2), jnp.float32)
+    tokens = rng.integers(0, cfg.vocab_size, (3, 7)).astype(np.int32)
+    at = jnp.asarray(rng.integers(0, 7, 3), jnp.int32)
+    full = np.asarray(forward(params, tokens, config=cfg, policy=F32)[0])
+    want = full[np.arange(3), np.asarray(at)][:, None]
+    got = forward(params, tokens, config=cfg, policy=F32, logits_at=at)[0]
+    assert got.shape == (3, 1, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    cache = bind(params, cfg, F32).init_cache(batch=3, max_len=8)
+    got, cache = forward(params, tokens, config=cfg, policy=F32, cache=cache, logits_at=at)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    if cfg.num_experts:
+        got, _, experts = forward_with_routing(params, tokens, config=cfg, policy=F32, logits_at=at)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+        assert experts.shape[:2] == (3, 7)
+    with pytest.raises(AssertionError):
+        forward(params, tokens, config=cfg, policy=F32, logits_at=at[:2])
+
+
 def test_attention_mask_hides_padding_and_positions_follow():
     """Left-padded rows with an attention mask and shifted positions equal the unpadded rows."""
     cfg = tiny_qwen3

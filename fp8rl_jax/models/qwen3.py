@@ -350,14 +350,23 @@ class Qwen3(nnx.Module):
         return self.lm_head(h).astype(jnp.float32)
 
     def __call__(self, tokens, positions=None, attention_mask=None, cache=None, num_new=None, *, remat=False,
-                 routing=None):
+                 routing=None, logits_at=None):
         h, cache = self.hidden_states(tokens, positions, attention_mask, cache, num_new, remat=remat, routing=routing)
-        return self.logits(h), cache
+        return self.logits(_rows_at(h, logits_at)), cache
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         cfg = self.config
         dtype = self.policy.compute_dtype if dtype is None else dtype
         return KVCache.init(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def _rows_at(h: jax.Array, logits_at: jax.Array | None) -> jax.Array:
+    """``h`` [B, T, D], or with ``logits_at`` [B] int32 only position ``logits_at[b]`` of each row
+    ([B, 1, D]): a prefill needs the last prompt position's logits, not [B, T, V] of them."""
+    if logits_at is None:
+        return h
+    chex.assert_shape(logits_at, (h.shape[0],))
+    return jnp.take_along_axis(h, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
 
 
 # ---------------------------------------------------------------------------- functional API
@@ -406,14 +415,17 @@ def forward(
     num_new: jax.Array | None = None,
     remat: bool = False,
     routing: jax.Array | None = None,
+    logits_at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
     """Pure forward: float32 logits [B, T, V] and the updated cache (None without one).
+    ``logits_at`` [B] int32: only the logits at that position of each row, [B, 1, V] (a prefill
+    samples from the last prompt position; the whole [B, T, V] would cost memory and FLOPs).
     ``remat``: recompute each layer's activations in the backward pass (training memory).
     ``routing`` [B, T, L_moe, k] int32: MoE routing replay (see :func:`forward_with_routing`);
     None (the default) routes by the router's top-k. Replay on/off is static under jit (None or
     an array), so each setting compiles once."""
     return bind(params, config, policy)(tokens, positions, attention_mask, cache, num_new, remat=remat,
-                                        routing=routing)
+                                        routing=routing, logits_at=logits_at)
 
 
 def forward_with_routing(
@@ -428,6 +440,7 @@ def forward_with_routing(
     num_new: jax.Array | None = None,
     remat: bool = False,
     routing: jax.Array | None = None,
+    logits_at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | PagedKVCache | None, jax.Array]:
     """:func:`forward` that also returns the experts each token used: ``(logits, cache, experts)``
     with ``experts`` [B, T, L_moe, k] int32, ``L_moe = len(moe_layers(config))`` in layer order and
@@ -447,7 +460,7 @@ def forward_with_routing(
     model = bind(params, config, policy)
     h, cache, experts = model.hidden_states_and_routing(tokens, positions, attention_mask, cache, num_new,
                                                         remat=remat, routing=routing)
-    return model.logits(h), cache, experts
+    return model.logits(_rows_at(h, logits_at)), cache, experts
 
 
 def moe_layers(config: ModelConfig) -> tuple[int, ...]:

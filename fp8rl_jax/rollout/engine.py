@@ -297,7 +297,8 @@ class JaxEngine:
         self.cache = self.cache.replace(k_scale=k_scale, v_scale=v_scale)
         self.kv_scales_fresh = True
 
-    def warmup(self, min_prompt_len: int = 1, max_prompt_len: int | None = None) -> float:
+    def warmup(self, min_prompt_len: int = 1, max_prompt_len: int | None = None,
+               progress: Callable[[str, float], None] | None = None, recompute: bool = True) -> float:
         """Compiles every program a generate can need, without changing the engine's state: the
         decode loop, the prefill of every bucket from ``bucket(min_prompt_len)`` up to
         ``bucket(max_seq_len)`` (a sequence recomputed after preemption is prefilled at its whole
@@ -305,15 +306,27 @@ class JaxEngine:
         calibration forward of the prompt buckets up to ``bucket(max_prompt_len)`` (default
         ``max_seq_len``). Otherwise each compiles at its first use, inside a generate (seconds to
         tens of seconds each at 8B scale). Every call is made with padding rows only (out-of-range
-        slots, no token), which write nothing. Returns the seconds spent."""
+        slots, no token), which write nothing. ``progress(program, seconds)`` is called after each
+        program (compile and one run). ``recompute=False`` stops the prefill buckets at
+        ``bucket(max_prompt_len)``: right when no preemption can happen (every request fits at
+        ``max_seq_len`` at once, see ``sequences_that_fit``), and it saves a compile per bucket
+        (15-25 s each at 8B scale). Returns the seconds spent."""
         if not 1 <= min_prompt_len <= self.max_seq_len:
             raise ValueError(f"min_prompt_len must be in [1, max_seq_len = {self.max_seq_len}], got {min_prompt_len}")
         top = self.max_seq_len if max_prompt_len is None else max_prompt_len
         if not min_prompt_len <= top <= self.max_seq_len:
             raise ValueError(f"max_prompt_len must be in [min_prompt_len, max_seq_len = {self.max_seq_len}], "
                              f"got {max_prompt_len}")
-        t0 = time.perf_counter()
-        lo, hi = self._bucket(min_prompt_len), self._bucket(self.max_seq_len)
+        t0 = last = time.perf_counter()
+
+        def done(program: str, out: Any) -> None:
+            nonlocal last
+            jax.block_until_ready(out)
+            if progress is not None:
+                progress(program, time.perf_counter() - last)
+            last = time.perf_counter()
+
+        lo, hi = self._bucket(min_prompt_len), self._bucket(self.max_seq_len if recompute else top)
         buckets = sorted({b for b in self.config.prefill_buckets if lo <= b <= hi} | {hi})
         P, B = self.config.prefill_batch, self.config.max_slots
         sampling, stops, remaining = self._slot_arrays([None] * P)
@@ -321,17 +334,19 @@ class JaxEngine:
             out = _prefill(self.params, self.cache, jnp.full((P,), B, jnp.int32), jnp.zeros((P, T), jnp.int32),
                            jnp.zeros((P,), jnp.int32), sampling, stops, remaining, **self._static)
             self.cache = out[3]
+            done(f"prefill {P}x{T}", out)
         sampling, stops, remaining = self._slot_arrays([None] * B)
         out = _decode(self.params, self.cache, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), sampling, stops,
                       remaining, steps=self.config.steps_per_call, **self._static)
         self.cache = out[3]
+        done(f"decode {B}x{self.config.steps_per_call}", out)
         if self.config.fp8_kv and self.config.kv_calibration is KvCalibration.INFERENCE:
             n = self.config.kv_calibration_prompts
             for T in (b for b in buckets if b <= self._bucket(top)):
-                _calibrate(self.params, jnp.zeros((n, T), jnp.int32), jnp.zeros((n,), jnp.int32),
-                           config=self.model_config, policy=self.policy, percentile=self.config.kv_percentile,
-                           margin=self.config.kv_margin)
-        jax.block_until_ready(self.cache)
+                done(f"kv calibration {n}x{T}",
+                     _calibrate(self.params, jnp.zeros((n, T), jnp.int32), jnp.zeros((n,), jnp.int32),
+                                config=self.model_config, policy=self.policy, percentile=self.config.kv_percentile,
+                                margin=self.config.kv_margin))
         return time.perf_counter() - t0
 
     def _ensure_kv_scales(self, requests: list[_Request]) -> None:
@@ -661,11 +676,12 @@ def _finish_code(tok, stops, remaining, lengths, max_seq_len: int):
     return jnp.where(is_stop, 1, jnp.where(remaining <= 1, 2, jnp.where(lengths + 1 >= max_seq_len, 3, 0)))
 
 
-def _forward(params, tokens, *, model_config, policy, cache, num_new, record_routing):
+def _forward(params, tokens, *, model_config, policy, cache, num_new, record_routing, logits_at=None):
     """The cached forward; ``(logits, cache, experts or None)``."""
+    kw = dict(config=model_config, policy=policy, cache=cache, num_new=num_new, logits_at=logits_at)
     if record_routing:
-        return forward_with_routing(params, tokens, config=model_config, policy=policy, cache=cache, num_new=num_new)
-    logits, cache = forward(params, tokens, config=model_config, policy=policy, cache=cache, num_new=num_new)
+        return forward_with_routing(params, tokens, **kw)
+    logits, cache = forward(params, tokens, **kw)
     return logits, cache, None
 
 
@@ -678,8 +694,9 @@ def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remainin
     view = cache.replace(page_table=jnp.take(cache.page_table, slot_ids, axis=0, mode="clip"),
                          lengths=jnp.zeros_like(slot_ids))
     logits, view, experts = _forward(params, tokens, model_config=model_config, policy=policy, cache=view,
-                                     num_new=num_new, record_routing=record_routing)
-    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+                                     num_new=num_new, record_routing=record_routing,
+                                     logits_at=jnp.maximum(num_new - 1, 0))
+    last = logits[:, 0]
     tok, lp = sample(last, sampling, row_keys(sampling.seed, num_new))
     code = _finish_code(tok, stops, remaining, num_new, max_seq_len)
     cache = cache.replace(k_pages=view.k_pages, v_pages=view.v_pages,
