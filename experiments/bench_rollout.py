@@ -108,6 +108,55 @@ def _memory() -> dict:
 PROGRESS_EVERY_S = 15.0  # seconds between progress lines (module constant: tests lower it)
 
 
+class StallWatch:
+    """Exits the process (code 3) with every thread's Python stack and the last engine progress
+    when nothing has progressed for ``seconds``: a warm-up program finishing and every prefill
+    group or decode chunk count (``beat``). A decode that stops advancing on the GPU blocks the
+    main thread inside XLA, where no exception can reach it, so an outer time limit would
+    otherwise say only that the run was cut."""
+
+    def __init__(self, seconds: float, exit=None):
+        import threading
+
+        self.seconds, self.last, self.info = seconds, time.perf_counter(), "start"
+        self._exit = exit or (lambda code: __import__("os")._exit(code))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def beat(self, info: Any) -> None:
+        self.last, self.info = time.perf_counter(), info
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        import faulthandler
+
+        while not self._stop.wait(min(1.0, self.seconds / 4)):
+            idle = time.perf_counter() - self.last
+            if idle > self.seconds:
+                print(f"STALL: no progress for {idle:.0f} s; last: {json.dumps(self.info, default=str)}", flush=True)
+                try:  # faulthandler needs no GIL (the stalled main thread may hold it)
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
+                    import traceback
+
+                    for tid, frame in sys._current_frames().items():
+                        print(f"thread {tid}:\n" + "".join(traceback.format_stack(frame)), file=sys.stderr)
+                sys.stderr.flush()
+                self._exit(3)
+                return
+
+
+WATCH: StallWatch | None = None  # set by the command line (--stall-dump-s)
+
+
+def _beat(info: Any) -> None:
+    if WATCH is not None:
+        WATCH.beat(info)
+
+
 def _progress_reporter(mode: Fp8Mode, t0: float, partial) -> Any:
     """An ``engine.progress`` hook: every ``PROGRESS_EVERY_S`` prints the run so far (tokens/s,
     decode step) and hands it to ``partial`` (which writes it into the JSON), so a run cut by a
@@ -115,6 +164,7 @@ def _progress_reporter(mode: Fp8Mode, t0: float, partial) -> Any:
     last = [t0]
 
     def report(p: dict) -> None:
+        _beat(p)
         now = time.perf_counter()
         if now - last[0] < PROGRESS_EVERY_S:
             return
@@ -134,13 +184,18 @@ def _progress_reporter(mode: Fp8Mode, t0: float, partial) -> Any:
 
 
 def run_mode(cfg: BenchConfig, params, mode: Fp8Mode, partial=None) -> dict:
+    _beat(f"{mode.value}: engine init")
     engine = JaxEngine(cfg.model, params, dataclasses.replace(cfg.engine, precision=mode))
+    _beat(f"{mode.value}: engine ready")
     print(f"[{mode.value}] memory after engine init (GB): {_memory()}", flush=True)
     prompts, sampling = _requests(cfg.workload, cfg.model.vocab_size, cfg.seed)
     # compile every prefill bucket a recompute after preemption can reach, the decode loop and the
     # KV calibration before the clock starts (JaxEngine.warmup writes nothing)
     lens = [len(p) for p in prompts]
-    compile_s = engine.warmup(min_prompt_len=min(lens), max_prompt_len=max(lens))
+    compile_s = engine.warmup(min_prompt_len=min(lens), max_prompt_len=max(lens),
+                              progress=lambda what, s: (_beat(what), print(f"[{mode.value}]   {what}: {s:.1f} s",
+                                                                           flush=True)),
+                              recompute=engine.sequences_that_fit < len(prompts))  # else nothing is preempted
     print(f"[{mode.value}] warm-up (compiles) {compile_s:.1f} s", flush=True)
     t0 = time.perf_counter()
     engine.update_weights(params)
@@ -283,8 +338,14 @@ if __name__ == "__main__":
                     help="vllm: the same workloads on VLLMGenerator (needs the fp8rl_jax[vllm] extra and a GPU)")
     ap.add_argument("--vllm-memory", type=float, default=0.6, help="vLLM's gpu_memory_utilization (vllm backend)")
     ap.add_argument("--jax-memory", type=float, default=0.3, help="JAX's memory fraction next to vLLM (vllm backend)")
+    ap.add_argument("--layers", type=int, default=0, help="keep only the first N layers of the preset (quick checks)")
+    ap.add_argument("--stall-dump-s", type=float, default=0.0,
+                    help="when nothing progresses (warm-up program, prefill group, decode chunk) for this many "
+                         "seconds, print the last progress and every thread's Python stack, and exit 3")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    if a.stall_dump_s > 0:
+        WATCH = StallWatch(a.stall_dump_s)
     vllm_cfg = None
     if Backend(a.backend) is Backend.VLLM:  # before JAX touches the GPU: the memory split and vLLM's process settings
         import os
@@ -305,5 +366,8 @@ if __name__ == "__main__":
             a.kv_gib = 0.01
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
                                  max_slots=a.max_slots, **sizing)
-    main(BenchConfig(model=PRESETS[a.preset], workload=w, modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine,
+    model = PRESETS[a.preset]
+    if a.layers:
+        model = dataclasses.replace(model, num_layers=a.layers)
+    main(BenchConfig(model=model, workload=w, modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine,
                      backend=Backend(a.backend), vllm=vllm_cfg, out=a.out))

@@ -150,3 +150,52 @@ def test_bench_scaling_tiny_on_two_cpu_devices(tmp_path):
     assert abs(g["tp2"]["kv_pages"] - 2 * g["tp1"]["kv_pages"]) <= 1  # the KV budget is per device
     assert res["train_1dev"]["step_s"] > 0 and res["train_fsdp2"]["step_s"] > 0
     assert set(res["sync_fsdp2_to_tp2"]) == {"reshard_ms", "quantize_ms"}
+
+
+def test_stall_hunt_tiny_runs_configs_on_the_cpu(tmp_path):
+    hunt = _load("paged_attention_stall_hunt")
+    out = tmp_path / "hunt.json"
+    assert hunt.main(["--tiny", "--out", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["results"]
+    assert {r["pool"] for r in rows} == {"bfloat16", "float8_e4m3fn"}
+    assert all(r["status"] == "ok" and r["calls"] > 0 and r["finite"] for r in rows)
+
+
+def test_stall_hunt_reports_a_child_that_stops_progressing(tmp_path):
+    """A child that reports progress, then hangs, is killed after stall_s and reported stalled with
+    the calls it made; one that exits with an error is reported as an error, not as a stall."""
+    import sys
+
+    hunt = _load("paged_attention_stall_hunt")
+    hang = tmp_path / "hang.py"
+    hang.write_text("import sys, time\nprint('progress 7 calls 0.1 s', flush=True)\ntime.sleep(600)\n")
+    crash = tmp_path / "crash.py"
+    crash.write_text("import sys\nprint('boom', flush=True)\nsys.exit(3)\n")
+    cfg = hunt.DEFAULT_CONFIG
+    row = hunt.run_config("bfloat16", cfg, batch=1, context=16, seconds=1, stall_s=1.0, compile_s=30,
+                          command=[sys.executable, str(hang)])
+    assert row["status"] == "stalled" and row["calls_before"] == 7 and row["wall_s"] < 20
+    row = hunt.run_config("bfloat16", cfg, batch=1, context=16, seconds=1, stall_s=1.0, compile_s=30,
+                          command=[sys.executable, str(crash)])
+    assert row["status"] == "error rc=3" and row["log_tail"] == ["boom"]
+
+
+def test_bench_rollout_stall_watch_fires_only_without_progress(capsys):
+    """StallWatch exits (code 3) with the last progress once nothing has beaten for its window,
+    and never while beats keep coming."""
+    import time
+
+    bench = _load("bench_rollout")
+    codes = []
+    watch = bench.StallWatch(0.4, exit=codes.append)
+    for i in range(8):  # beats every 0.1 s for 0.8 s: no stall
+        watch.beat({"decode_steps": i})
+        time.sleep(0.1)
+    assert codes == []
+    time.sleep(1.2)
+    assert codes == [3]
+    out = capsys.readouterr().out
+    assert "STALL: no progress" in out and '"decode_steps": 7' in out
+    watch.stop()
