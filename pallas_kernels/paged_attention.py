@@ -666,6 +666,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuning-out", default=None,
                         help="write the best config per pool dtype on this device kind as a tuning table (the "
                              f"library reads {TUNING_FILE.name} next to this file); from the largest shape run")
+    parser.add_argument("--table-min-warps", type=int, default=4,
+                        help="--tuning-out takes the fastest config with at least this many warps: every W1 "
+                             "rollout whose decode used a one-warp config stopped advancing 15-60 s in (H200, "
+                             "sessions 5-6; experiments/paged_attention_stall_hunt.py), the 4-warp ones finished")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="after this many seconds, time the default config only (keeps a device run bounded)")
     args = parser.parse_args(argv)
@@ -699,10 +703,11 @@ def main(argv: list[str] | None = None) -> int:
                     row = _bench_shape(args, t_start, shape_configs, layout, dtype_name, batch, context, nbytes,
                                        ref, (q, kp, vp, ks, vs, table, lengths))
                     results.append(row)
-                    if layout is KvLayout.NHD and row.get("swept") and "best" in row:
+                    table_best = _table_candidate(row, args.table_min_warps)
+                    if layout is KvLayout.NHD and row.get("swept") and table_best is not None:
                         size = batch * context
                         if size >= tuned.get(dtype_name, (0, None))[0]:
-                            tuned[dtype_name] = (size, row["best"])
+                            tuned[dtype_name] = (size, table_best)
                     if args.out:
                         write_results(args.out, results)
                     del kp, vp
@@ -724,6 +729,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         print(f"wrote {args.out}")
     return 0
+
+
+def _table_candidate(row: dict, min_warps: int) -> dict | None:
+    """The fastest timed config of a benchmark row with at least ``min_warps`` warps (None if none)."""
+    timed = [c for c in row["configs"] if "ms" in c and c["config"]["num_warps"] >= min_warps]
+    return min(timed, key=lambda c: c["ms"], default=None)
 
 
 def _bench_shape(args, t_start, configs, layout, dtype_name, batch, context, nbytes, ref, inputs) -> dict:

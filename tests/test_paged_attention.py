@@ -335,6 +335,19 @@ def test_default_config_reads_the_tuning_table_of_this_device_kind(tmp_path, mon
         pa._tuning.cache_clear()
 
 
+def test_table_candidate_skips_configs_below_min_warps():
+    """The tuning table takes the fastest config with enough warps (one-warp configs stalled W1
+    rollouts on the H200); failed configs are ignored; none qualifying gives None."""
+    one = {"config": dataclasses.asdict(pa.PagedAttentionConfig(pages_per_block=2, num_warps=1)), "ms": 0.3}
+    four = {"config": dataclasses.asdict(pa.PagedAttentionConfig(num_warps=4)), "ms": 0.5}
+    eight = {"config": dataclasses.asdict(pa.PagedAttentionConfig(num_warps=8)), "ms": 0.45}
+    failed = {"config": dataclasses.asdict(pa.PagedAttentionConfig(num_warps=4, num_stages=3)), "error": "x"}
+    row = {"configs": [one, four, failed, eight]}
+    assert pa._table_candidate(row, 4) is eight
+    assert pa._table_candidate(row, 1) is one
+    assert pa._table_candidate({"configs": [one, failed]}, 4) is None
+
+
 def test_main_without_gpu(capsys):
     if jax.default_backend() == "gpu":
         pytest.skip("the GPU run is the benchmark itself")

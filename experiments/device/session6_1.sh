@@ -15,10 +15,10 @@ W1="experiments/bench_rollout.py --preset qwen3_8b --workload W1 --kv-fraction 0
 (
   export CUDA_VISIBLE_DEVICES=0
   {
-    echo "== word-gather GPU tests"; timeout 90 python -m pytest -q -m gpu tests/test_paged_attention.py \
+    echo "== word-gather GPU tests"; timeout 60 python -m pytest -q -m gpu tests/test_paged_attention.py \
       -k "Gpu and words" -p no:cacheprovider 2>&1 | tail -3
-    echo "== paged attention fp8 focus sweep"; timeout 150 python -m pallas_kernels.paged_attention --fp8-focus \
-      --batch 256 --context 2048 --dtypes float8_e4m3fn --max-seconds 120 --tuning-out "$OUT/pa_tuning_fp8.json" \
+    echo "== paged attention fp8 focus sweep"; timeout 130 python -m pallas_kernels.paged_attention --fp8-focus \
+      --batch 256 --context 2048 --dtypes float8_e4m3fn --max-seconds 100 --tuning-out "$OUT/pa_tuning_fp8.json" \
       --out "$OUT/pa_fp8_focus.json"; echo "rc=$?"
     python - "$OUT/pa_tuning_fp8.json" "$TABLE" <<'PY'
 import json, sys
@@ -34,7 +34,7 @@ print("table:", [(e["pool"], e["config"], round(e["ms"], 3)) for e in table["ent
 PY
     cp "$TABLE" "$OUT/paged_attention_tuning.json"
     for m in all kv; do
-      echo "== W1 $m"; timeout 200 python $W1 --modes $m --out "$OUT/rollout_W1_$m.json"; echo "rc=$?"
+      echo "== W1 $m"; timeout 195 python $W1 --modes $m --out "$OUT/rollout_W1_$m.json"; echo "rc=$?"
     done
   } 2>&1 | filt > "$OUT/gpu0.log"
 ) &

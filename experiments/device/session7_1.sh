@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Next session, call 1 (nvidia-h200; with nvidia-h200-x2 GPU 1 runs the BF16 and w8a8 W1 alongside).
+#   1. The paged-attention stall hunt: the two one-warp configs that were in the table when every W1
+#      run of sessions 5-6 using them stopped advancing, the table's 4-warp entries that replaced them,
+#      and faster 2/4-warp FP8 candidates; each in its own process, 20 s of back-to-back calls at
+#      B = 256, context <= 3072 (W1's), killed and reported when it stops progressing.
+#   2. W1 kv and all with the 4-warp table, a stall dump after 60 s without progress.
+# Copy stall_hunt.json back; if a faster config survived, put it in the table before the next call.
+export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+filt() { grep --line-buffered -v "^W1[12]\|^I1[12]\|DeprecationWarning\|return rule"; }
+W1="experiments/bench_rollout.py --preset qwen3_8b --workload W1 --kv-fraction 0.8 --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 60"
+(
+  export CUDA_VISIBLE_DEVICES=0
+  {
+    echo "== stall hunt"; timeout 230 python experiments/paged_attention_stall_hunt.py --seconds 20 --stall-s 12 \
+      --only 6 --out "$OUT/stall_hunt.json"; echo "rc=$?"
+    for m in kv all; do
+      echo "== W1 $m"; timeout 200 python $W1 --modes $m --out "$OUT/rollout_W1_$m.json"; echo "rc=$?"
+    done
+  } 2>&1 | filt > "$OUT/gpu0.log"
+) &
+[ "$(nvidia-smi -L | wc -l)" -ge 2 ] && (
+  export CUDA_VISIBLE_DEVICES=1
+  {
+    for m in none w8a8; do
+      echo "== W1 $m"; timeout 260 python $W1 --modes $m --out "$OUT/rollout_W1_$m.json"; echo "rc=$?"
+    done
+  } 2>&1 | filt > "$OUT/gpu1.log"
+) &
+wait
+grep -v "^  \|^$" "$OUT"/gpu*.log | cut -c1-400 | tail -60
