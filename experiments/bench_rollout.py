@@ -330,6 +330,10 @@ if __name__ == "__main__":
     ap.add_argument("--kv-gib", type=float, default=BenchConfig.engine.kv_budget_gib)
     ap.add_argument("--kv-fraction", type=float, default=0.0,
                     help="KV pool = this fraction of the device memory left after the weights (overrides --kv-gib)")
+    ap.add_argument("--kv-tokens", type=int, default=0,
+                    help="KV pool of exactly this many tokens (overrides --kv-gib/--kv-fraction): e.g. the KV "
+                         "capacity vLLM reports at gpu_memory_utilization 0.85 (Qwen3-8B on the H200: 740896 "
+                         "BF16, 1.57M FP8), so both engines run a workload under the same KV budget")
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
     ap.add_argument("--steps-per-call", type=int, default=BenchConfig.engine.steps_per_call)
     ap.add_argument("--prefill-batch", type=int, default=BenchConfig.engine.prefill_batch)
@@ -364,6 +368,8 @@ if __name__ == "__main__":
         sizing.update(max_seq_len=64, steps_per_call=4, dtype="float32")
         if a.kv_gib == BenchConfig.engine.kv_budget_gib:  # the GPU default would not fit a CPU machine
             a.kv_gib = 0.01
+    if a.kv_tokens:
+        sizing["num_pages"] = -(-a.kv_tokens // BenchConfig.engine.page_size)
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
                                  max_slots=a.max_slots, **sizing)
     model = PRESETS[a.preset]

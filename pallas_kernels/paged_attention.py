@@ -151,7 +151,9 @@ class PagedAttentionConfig:
         pool as uint32 words of 4 E4M3 values and split them into 4 byte planes in registers (one
         ``prmt`` + one packed ``cvt`` per two words, inline PTX), each plane a dot of H / 4: V
         then needs no byte-wise shared-memory reads (sm_90 has no 8-bit transposing ldmatrix;
-        offline codegen: 1317 -> ~810 SASS instructions per 32-token block at 2 pages, 1 warp).
+        offline codegen: 1317 -> ~810 SASS instructions per 32-token block at 2 pages, 1 warp; on
+        the H200, B = 256, context <= 2k: 65.8% of the copy ceiling vs 60.0% for the best byte
+        gather, both one- or two-warp configs).
         q and the output are permuted to plane order outside the kernel. Ignored otherwise.
     """
 

@@ -23,9 +23,9 @@ W1="experiments/bench_rollout.py --preset qwen3_8b --workload W1 --kv-fraction 0
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && (
   export CUDA_VISIBLE_DEVICES=1
   {
-    for m in none w8a8; do
-      echo "== W1 $m"; timeout 260 python $W1 --modes $m --out "$OUT/rollout_W1_$m.json"; echo "rc=$?"
-    done
+    # BF16 under vLLM's KV capacity at gpu_memory_utilization 0.85 (740,896 tokens, session 6)
+    echo "== W1 none"; timeout 260 python $W1 --modes none --kv-tokens 740896 --out "$OUT/rollout_W1_none.json"; echo "rc=$?"
+    echo "== W1 w8a8"; timeout 260 python $W1 --modes w8a8 --out "$OUT/rollout_W1_w8a8.json"; echo "rc=$?"
   } 2>&1 | filt > "$OUT/gpu1.log"
 ) &
 wait
