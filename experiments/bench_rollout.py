@@ -44,6 +44,7 @@ from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
+from fp8rl_jax.rollout.watchdog import StallWatchdog  # noqa: E402
 
 HBM_BPS = 4.3e12
 
@@ -108,48 +109,7 @@ def _memory() -> dict:
 PROGRESS_EVERY_S = 15.0  # seconds between progress lines (module constant: tests lower it)
 
 
-class StallWatch:
-    """Exits the process (code 3) with every thread's Python stack and the last engine progress
-    when nothing has progressed for ``seconds``: a warm-up program finishing and every prefill
-    group or decode chunk count (``beat``). A decode that stops advancing on the GPU blocks the
-    main thread inside XLA, where no exception can reach it, so an outer time limit would
-    otherwise say only that the run was cut."""
-
-    def __init__(self, seconds: float, exit=None):
-        import threading
-
-        self.seconds, self.last, self.info = seconds, time.perf_counter(), "start"
-        self._exit = exit or (lambda code: __import__("os")._exit(code))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def beat(self, info: Any) -> None:
-        self.last, self.info = time.perf_counter(), info
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _watch(self) -> None:
-        import faulthandler
-
-        while not self._stop.wait(min(1.0, self.seconds / 4)):
-            idle = time.perf_counter() - self.last
-            if idle > self.seconds:
-                print(f"STALL: no progress for {idle:.0f} s; last: {json.dumps(self.info, default=str)}", flush=True)
-                try:  # faulthandler needs no GIL (the stalled main thread may hold it)
-                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
-                    import traceback
-
-                    for tid, frame in sys._current_frames().items():
-                        print(f"thread {tid}:\n" + "".join(traceback.format_stack(frame)), file=sys.stderr)
-                sys.stderr.flush()
-                self._exit(3)
-                return
-
-
-WATCH: StallWatch | None = None  # set by the command line (--stall-dump-s)
+WATCH: StallWatchdog | None = None  # set by the command line (--stall-dump-s): covers warm-up and the runs
 
 
 def _beat(info: Any) -> None:
@@ -349,7 +309,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.stall_dump_s > 0:
-        WATCH = StallWatch(a.stall_dump_s)
+        WATCH = StallWatchdog(a.stall_dump_s, name="bench_rollout")
     vllm_cfg = None
     if Backend(a.backend) is Backend.VLLM:  # before JAX touches the GPU: the memory split and vLLM's process settings
         import os

@@ -55,6 +55,7 @@ def test_override_parses_by_field_type():
     ("optimizer.lr=-1", "lr must be > 0"),
     ("trainer.micro_batches=3", "must divide the batch"),
     ("rollout.max_seq_len=100000", "max_position_embeddings"),
+    ("rollout.stall_timeout_s=-5", "stall_timeout_s must be >= 0"),
     ("rollout", "section.field=value"),
 ])
 def test_override_rejects_bad_values_naming_the_field(bad, match):
@@ -69,6 +70,9 @@ def test_sweep_and_presets():
     for name, cfg in PRESETS.items():  # every preset validates and serializes
         json.dumps(rlconfig.to_dict(cfg))
         assert cfg.engine_config().precision is Fp8Mode.ALL, name
+    # full-size runs exit on a stalled decode (and resume from a checkpoint); the quickstart is off
+    assert PRESETS["aime24_qwen3_8b"].engine_config().stall_timeout_s == 900.0
+    assert QUICKSTART.engine_config().stall_timeout_s == 0.0
     assert rlconfig.AlgorithmConfig(estimator=AdvantageEstimator.GAE).uses_value_head  # PPO + GAE: tests/test_value_head.py
 
 

@@ -62,6 +62,7 @@ class RolloutConfig:
     kv_budget_fraction: float = 0.0  # > 0: this fraction of the device memory left after the weights (GPU)
     steps_per_call: int = 8
     prefill_batch: int = 16
+    stall_timeout_s: float = 0.0  # > 0: exit (code 3) when generation stops progressing this long
 
     def __post_init__(self) -> None:
         for name in ("n_samples", "max_new_tokens", "max_seq_len", "max_slots", "page_size", "steps_per_call",
@@ -72,6 +73,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.kv_budget_gib must be > 0, got {self.kv_budget_gib}")
         if not 0 <= self.kv_budget_fraction <= 1:
             raise ConfigError(f"rollout.kv_budget_fraction must be in [0, 1], got {self.kv_budget_fraction}")
+        if not self.stall_timeout_s >= 0:
+            raise ConfigError(f"rollout.stall_timeout_s must be >= 0 (0: off), got {self.stall_timeout_s}")
         try:
             self.sampling(0)
         except ValueError as e:
@@ -222,7 +225,8 @@ class RLConfig:
                             kv_budget_fraction=r.kv_budget_fraction,
                             max_seq_len=r.max_seq_len, steps_per_call=r.steps_per_call,
                             prefill_batch=r.prefill_batch, precision=self.precision.rollout,
-                            dtype=self.trainer.compute_dtype.value, kv_calibration=self.precision.kv_calibration)
+                            dtype=self.trainer.compute_dtype.value, kv_calibration=self.precision.kv_calibration,
+                            stall_timeout_s=r.stall_timeout_s)
 
     @property
     def out_dir(self) -> Path:

@@ -69,6 +69,7 @@ from fp8rl_jax.models.policy import Kernels
 from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, WeightSharding, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
+from fp8rl_jax.rollout.watchdog import StallWatchdog
 
 _FINISH_CODES = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.MAX_LEN}
 _NO_STOP = -1
@@ -108,6 +109,12 @@ class EngineConfig:
       record_routing: MoE models only: record the experts chosen at every prompt and generated
         position and return them as ``RolloutBatch.routing`` for routing replay in the trainer
         (off by default: it costs a [rows, T, L_moe, k] int32 transfer per device call).
+      stall_timeout_s: if > 0, a generate whose prefill groups and decode chunks stop completing
+        for this long reports its last progress and every thread's stack and exits the process
+        with code 3 (`fp8rl_jax.rollout.watchdog`): a device program that never finishes blocks
+        the host inside XLA, beyond any exception, and would hang the job silently. Set it above
+        the longest compile a generate may do (8B on the H200: ~30 s; `warmup` first avoids
+        them), e.g. 300. 0 (default): off.
     """
 
     max_slots: int = 32
@@ -127,6 +134,7 @@ class EngineConfig:
     kv_margin: float = 1.05
     record_routing: bool = False
     fp8_block: tuple[int, int] = (128, 128)
+    stall_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -145,6 +153,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.fp8_block must be a pair of positive ints, got {b!r}")
         if not 0 < self.kv_percentile <= 100 or self.kv_margin <= 0 or self.kv_calibration_prompts < 1:
             raise ValueError("EngineConfig needs 0 < kv_percentile <= 100, kv_margin > 0, kv_calibration_prompts >= 1")
+        if not self.stall_timeout_s >= 0:
+            raise ValueError(f"EngineConfig.stall_timeout_s must be >= 0 (0: off), got {self.stall_timeout_s}")
 
     @property
     def fp8_kv(self) -> bool:
@@ -198,6 +208,10 @@ class JaxEngine:
         # called after every device call of a generate with a snapshot of its progress (``_progress``);
         # benchmarks use it to report throughput before a long run ends (or is cut)
         self.progress: Callable[[dict], None] | None = None
+        # EngineConfig.stall_timeout_s: the running generate's watchdog, and what it does on a stall
+        # (None: report and exit with code 3; tests substitute a callback)
+        self._watch: StallWatchdog | None = None
+        self.on_stall: Callable[[str], None] | None = None
         self.update_weights(params)  # first: a fractional KV budget is taken from what the weights leave
         if self.mesh is not None and isinstance(self.policy, W8A8Policy):
             # the Pallas GEMMs run per weight shard (shard_map): XLA would gather their operands
@@ -430,6 +444,18 @@ class JaxEngine:
     # ----------------------------------------------------------------------- scheduling
 
     def _run(self, requests: list[_Request]) -> None:
+        if self.config.stall_timeout_s <= 0:
+            return self._run_loop(requests)
+        hint = ("The device program stopped finishing; exiting so the job can restart from its last "
+                "checkpoint (EngineConfig.stall_timeout_s).")
+        with StallWatchdog(self.config.stall_timeout_s, name="JaxEngine.generate", on_stall=self.on_stall,
+                           hint=hint) as self._watch:
+            try:
+                self._run_loop(requests)
+            finally:
+                self._watch = None
+
+    def _run_loop(self, requests: list[_Request]) -> None:
         B, ps = self.config.max_slots, self.config.page_size
         queue = collections.deque(requests)
         self._preemptions = 0
@@ -593,7 +619,10 @@ class JaxEngine:
 
     def _progress(self, requests: list[_Request], queued: int, running: int) -> None:
         """Calls ``self.progress`` (if set) with this generate's counters so far: the ``stats`` keys,
-        plus generated tokens, finished requests, preemptions, queued and running requests."""
+        plus generated tokens, finished requests, preemptions, queued and running requests; beats
+        the stall watchdog (``stall_timeout_s``)."""
+        if self._watch is not None:
+            self._watch.beat(dict(self.stats, preemptions=self._preemptions, queued=queued, running=running))
         if self.progress is None:
             return
         self.progress(dict(self.stats, generated_tokens=sum(len(r.generated) for r in requests),
