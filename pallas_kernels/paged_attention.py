@@ -641,13 +641,14 @@ def wide_sweep() -> tuple[PagedAttentionConfig, ...]:
 
 
 def fp8_sweep() -> tuple[PagedAttentionConfig, ...]:
-    """The neighbourhood of the FP8 pool's measured best (2 pages/block, 1 warp, 5 stages, float16
-    dots: 61% of the copy ceiling on the H200, where bfloat16 dots, more warps and larger blocks
-    were all slower): 1-4 pages per block, 1-2 warps, 4-6 stages, float16 dots, with and without
-    the word gather (`fp8_word_gather`)."""
+    """FP8 pools, float16 dots, with and without the word gather (`fp8_word_gather`), at 2-8
+    pages per block, 2-4 warps and 4-6 stages. No one-warp configs: they were the fastest (61-66%
+    of the copy ceiling on the H200) but every W1 rollout decoding with one stopped advancing
+    (sessions 5-6; `experiments/paged_attention_stall_hunt.py`), so the search moves to the
+    structures a table may hold (`--table-min-warps`)."""
     return tuple(PagedAttentionConfig(pages_per_block=b, pages_per_split=64, num_warps=w, num_stages=st,
                                       fp8_dot_dtype="float16", fp8_word_gather=words)
-                 for words in (True, False) for b in (1, 2, 4) for w in (1, 2) for st in (4, 5, 6))
+                 for words in (True, False) for b in (2, 4, 8) for w in (2, 4) for st in (4, 5, 6))
 
 
 def main(argv: list[str] | None = None) -> int:
