@@ -6,9 +6,7 @@
 #      B = 256, context <= 3072 (W1's), killed and reported when it stops progressing.
 #   2. W1 kv and all with the 4-warp table, a stall dump after 60 s without progress.
 # Copy stall_hunt.json back; if a faster config survived, put it in the table before the next call.
-export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-filt() { grep --line-buffered -v "^W1[12]\|^I1[12]\|DeprecationWarning\|return rule"; }
+source experiments/device/env.sh
 W1="experiments/bench_rollout.py --preset qwen3_8b --workload W1 --kv-fraction 0.8 --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 60"
 (
   export CUDA_VISIBLE_DEVICES=0

@@ -4,9 +4,7 @@
 #   GPU 0: vLLM 0.26 W1 FP8 W8A8 + FP8 KV alone (its first FP8 start, DeepGEMM JIT and CUDA-graph capture,
 #          took > 270 s in session 6, so it gets the whole call; bench.py stops itself before 540 s).
 #   GPU 1 (x2 only): our W2 (128 x 1024 -> 6144) FP8 all, then the live vLLM backend test if time is left.
-export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-filt() { grep --line-buffered -v "^W1[12]\|^I1[12]\|DeprecationWarning\|return rule\|Capturing CUDA graphs"; }
+source experiments/device/env.sh
 R="experiments/bench_rollout.py --preset qwen3_8b --kv-fraction 0.8 --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 60"
 (
   export CUDA_VISIBLE_DEVICES=0
@@ -14,7 +12,7 @@ R="experiments/bench_rollout.py --preset qwen3_8b --kv-fraction 0.8 --max-slots 
     bash .vllm-h200/install.sh >/dev/null && export PYTHONPATH=/tmp/vllm_site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
     echo "== vLLM W1 fp8_kv8"; timeout 570 python3 .vllm-h200/bench.py --configs fp8_kv8 --num-prompts 256 \
       --prompt-len 1024 --max-tokens 2048; echo "rc=$?"
-  } 2>&1 | filt > "$OUT/gpu0.log"
+  } 2>&1 | filt "Capturing CUDA graphs" > "$OUT/gpu0.log"
 ) &
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && (
   export CUDA_VISIBLE_DEVICES=1
@@ -22,7 +20,7 @@ R="experiments/bench_rollout.py --preset qwen3_8b --kv-fraction 0.8 --max-slots 
     echo "== W2 all"; timeout 300 python $R --workload W2 --modes all --out "$OUT/rollout_W2_all.json"; echo "rc=$?"
     (bash .vllm-h200/install.sh >/dev/null && PYTHONPATH=/tmp/vllm_site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 \
       timeout 240 python -m pytest -q -m gpu tests/test_vllm_backend.py -p no:cacheprovider 2>&1 | tail -15)
-  } 2>&1 | filt > "$OUT/gpu1.log"
+  } 2>&1 | filt "Capturing CUDA graphs" > "$OUT/gpu1.log"
 ) &
 wait
 grep -v "^  \|^$" "$OUT"/gpu*.log | cut -c1-400 | tail -50
