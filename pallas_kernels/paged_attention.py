@@ -72,9 +72,13 @@ split combine (no partials round trip); the Triton version relies on ``num_stage
 pipelining of the gathers.
 
 Tuning: `default_config` takes the config measured fastest for the pool dtype on this device kind
-from ``paged_attention_tuning.json`` (``main --tuning-out``); on the H200 at B = 256, context
-<= 2048: BF16 2 pages/block, 1 warp, 7 stages, 82.7% of the HBM copy ceiling; FP8 2 pages/block,
-1 warp, 5 stages with float16 dots, 61.0% (bfloat16 dots at best 46%).
+from ``paged_attention_tuning.json`` (``main --tuning-out``, or another table named by
+``FP8RL_PAGED_ATTENTION_TUNING``); on the H200 at B = 256, context <= 2048: BF16 8 pages/block,
+4 warps, 2 stages, 82.3% of the HBM copy ceiling; FP8 4 pages/block, 2 warps, 5 stages, float16
+dots with the word gather, 64.4% (bfloat16 dots at best 46%). One-warp configs time a little
+faster (82.7% BF16, 65.8% FP8) but every W1 rollout that decoded with one stopped advancing
+15-60 s in (sessions 5-6; the cause is not known: alone, 20 s of back-to-back calls at W1's shapes
+did not stall them), so the table holds configs of 2 warps or more, which ran W1 to the end.
 
 Codegen (Triton 3.6 offline for sm_90, ``experiments/inspect_triton_codegen.py``): the K/V gather
 is one 2-D ``[tokens, H]`` pointer tile with a page id per token row, so both K and V go through
@@ -95,6 +99,7 @@ import argparse
 import dataclasses
 import enum
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -186,7 +191,9 @@ DEFAULT_CONFIG = PagedAttentionConfig()
 
 # Measured tuning (``main --tuning-out``): per device kind, the fastest config of each pool dtype at
 # the rollout's decode shape. `default_config` uses an entry only on the device kind it was measured on.
-TUNING_FILE = Path(__file__).with_name("paged_attention_tuning.json")
+# FP8RL_PAGED_ATTENTION_TUNING names another table (a device of your own, or a candidate to try at scale).
+TUNING_FILE = Path(os.environ.get("FP8RL_PAGED_ATTENTION_TUNING") or Path(__file__).with_name(
+    "paged_attention_tuning.json"))
 
 
 _device_kind = device_kind  # module-level: the tests stand in another device kind
@@ -669,10 +676,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuning-out", default=None,
                         help="write the best config per pool dtype on this device kind as a tuning table (the "
                              f"library reads {TUNING_FILE.name} next to this file); from the largest shape run")
-    parser.add_argument("--table-min-warps", type=int, default=4,
+    parser.add_argument("--table-min-warps", type=int, default=2,
                         help="--tuning-out takes the fastest config with at least this many warps: every W1 "
                              "rollout whose decode used a one-warp config stopped advancing 15-60 s in (H200, "
-                             "sessions 5-6; experiments/paged_attention_stall_hunt.py), the 4-warp ones finished")
+                             "sessions 5-6), while 2- and 4-warp configs ran W1 to the end (session 7); alone, "
+                             "the one-warp configs did not stall (experiments/paged_attention_stall_hunt.py)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="after this many seconds, time the default config only (keeps a device run bounded)")
     args = parser.parse_args(argv)

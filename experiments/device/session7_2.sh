@@ -1,26 +1,23 @@
 #!/usr/bin/env bash
-# Next session, call 2 (nvidia-h200-x2 or nvidia-h200; carry [".vllm-h200"]), after session7_1.sh (copy any
-# table change it justified into pallas_kernels/ first: a call gets this checkout's files).
-#   GPU 0: vLLM 0.26 W1 FP8 W8A8 + FP8 KV alone (its first FP8 start, DeepGEMM JIT and CUDA-graph capture,
-#          took > 270 s in session 6, so it gets the whole call; bench.py stops itself before 540 s).
-#   GPU 1 (x2 only): our W2 (128 x 1024 -> 6144) FP8 all, then the live vLLM backend test if time is left.
+# Session 7, call 2 (nvidia-h200-x2): W1 in every mode on the 4-warp table. Call 1's runs never got
+# past the random init (its compile took > 60 s, and --stall-dump-s counted it; now armed after it).
+# The stall hunt of call 1 ran the two one-warp configs alone for 20 s each at W1's shapes: no stall.
+#   GPU 0: kv, then w8a8.   GPU 1: none under vLLM's KV capacity (740,896 tokens), then all.
 source experiments/device/env.sh
-R="experiments/bench_rollout.py --preset qwen3_8b --kv-fraction 0.8 --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 60"
+W1="experiments/bench_rollout.py --preset qwen3_8b --workload W1 --kv-fraction 0.8 --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 90"
 (
   export CUDA_VISIBLE_DEVICES=0
   {
-    bash .vllm-h200/install.sh >/dev/null && export PYTHONPATH=/tmp/vllm_site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
-    echo "== vLLM W1 fp8_kv8"; timeout 570 python3 .vllm-h200/bench.py --configs fp8_kv8 --num-prompts 256 \
-      --prompt-len 1024 --max-tokens 2048; echo "rc=$?"
-  } 2>&1 | filt "Capturing CUDA graphs" > "$OUT/gpu0.log"
+    echo "== W1 kv"; timeout 300 python $W1 --modes kv --out "$OUT/rollout_W1_kv.json"; echo "rc=$?"
+    echo "== W1 w8a8"; timeout $((585 - SECONDS)) python $W1 --modes w8a8 --out "$OUT/rollout_W1_w8a8.json"; echo "rc=$?"
+  } 2>&1 | filt > "$OUT/gpu0.log"
 ) &
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && (
   export CUDA_VISIBLE_DEVICES=1
   {
-    echo "== W2 all"; timeout 300 python $R --workload W2 --modes all --out "$OUT/rollout_W2_all.json"; echo "rc=$?"
-    (bash .vllm-h200/install.sh >/dev/null && PYTHONPATH=/tmp/vllm_site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 \
-      timeout 240 python -m pytest -q -m gpu tests/test_vllm_backend.py -p no:cacheprovider 2>&1 | tail -15)
-  } 2>&1 | filt "Capturing CUDA graphs" > "$OUT/gpu1.log"
+    echo "== W1 none"; timeout 300 python $W1 --modes none --kv-tokens 740896 --out "$OUT/rollout_W1_none.json"; echo "rc=$?"
+    echo "== W1 all"; timeout $((585 - SECONDS)) python $W1 --modes all --out "$OUT/rollout_W1_all.json"; echo "rc=$?"
+  } 2>&1 | filt > "$OUT/gpu1.log"
 ) &
 wait
-grep -v "^  \|^$" "$OUT"/gpu*.log | cut -c1-400 | tail -50
+grep -v "^  \|^$" "$OUT"/gpu*.log | cut -c1-400 | tail -70
