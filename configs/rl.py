@@ -34,7 +34,8 @@ AIME24_QWEN3_8B = RLConfig(
     model=qwen3_8b,
     rollout=RolloutConfig(n_samples=16, temperature=1.0, max_new_tokens=20_480, max_seq_len=22_528, max_slots=256,
                           page_size=16, kv_budget_gib=60.0, steps_per_call=16, prefill_batch=16,
-                          stall_timeout_s=900.0),  # a stalled decode exits (code 3); --resume restarts
+                          stall_timeout_s=900.0,  # a stalled decode exits (code 3); --resume restarts
+                          sleep_while_training=True),  # the trainer gets the KV pool's memory during its step
     algorithm=AlgorithmConfig(loss=LossConfig(clip_low=0.2, clip_high=0.28, agg=LossAgg.TOKEN_MEAN,
                                               correction=Correction.TOKEN_TIS, tis_cap=2.0)),
     optimizer=OptimizerConfig(lr=1e-6, warmup_steps=10, weight_decay=0.1, max_grad_norm=1.0),

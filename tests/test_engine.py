@@ -333,3 +333,89 @@ def test_warmup_compiles_everything_and_changes_nothing():
         eng.warmup(min_prompt_len=0)
     with pytest.raises(ValueError, match="max_prompt_len"):
         eng.warmup(min_prompt_len=8, max_prompt_len=4)
+
+
+def test_sleep_frees_the_pool_and_changes_no_result():
+    """``sleep`` deletes the KV pool's device buffers; the next generate allocates it again at the
+    same shape (no new compile) and gives the tokens and logprobs of an engine that never slept
+    (FP8 KV, preemption forced); calibrated scales and their freshness survive a sleep, a weight
+    update while asleep still makes them stale, and an engine built asleep holds no pool."""
+    from fp8rl_jax.rollout import engine as engine_mod
+
+    cfg, rng = tiny_qwen3, np.random.default_rng(11)
+    params = _trained_like(cfg, 11)
+    prompts = _prompts(rng, cfg.vocab_size, [9, 6, 11, 3])
+    sampling = SamplingConfig(temperature=0.8, max_tokens=12, ignore_eos=True, seed=9)
+    ec = dataclasses.replace(F32, precision=Fp8Mode.KV, num_pages=9)
+    ref = JaxEngine(cfg, params, ec)
+    first = ref.generate(prompts, sampling)
+    assert first.preemptions > 0
+
+    eng = JaxEngine(cfg, params, ec, asleep=True)
+    assert eng.asleep and eng.cache is None and eng.kv_pool_bytes == 2 * cfg.num_layers * 9 * 4 * \
+        cfg.num_kv_heads * cfg.head_dim
+    out = eng.generate(prompts, sampling)  # wakes itself, calibrates
+    assert not eng.asleep and out.token_lists() == first.token_lists()
+    np.testing.assert_array_equal(out.logprobs, first.logprobs)
+    pools = (*eng.cache.k_pages, *eng.cache.v_pages)
+    k1, v1 = np.asarray(eng.cache.k_scale), np.asarray(eng.cache.v_scale)
+    sizes = [f._cache_size() for f in (engine_mod._prefill, engine_mod._decode)]
+    eng.sleep()
+    eng.sleep()  # idempotent
+    assert eng.asleep and all(a.is_deleted() for a in pools) and eng.kv_scales_fresh
+    again = eng.generate(prompts, sampling)
+    assert again.token_lists() == first.token_lists()
+    np.testing.assert_array_equal(again.logprobs, first.logprobs)
+    np.testing.assert_array_equal(np.asarray(eng.cache.k_scale), k1)  # kept, not recalibrated or reset
+    np.testing.assert_array_equal(np.asarray(eng.cache.v_scale), v1)
+    assert [f._cache_size() for f in (engine_mod._prefill, engine_mod._decode)] == sizes
+    assert eng.cache.k_pages[0].shape == pools[0].shape and eng.cache.k_pages[0].dtype == jnp.float8_e4m3fn
+
+    # an update while asleep: the scales are stale and the next generate recalibrates them on the new weights
+    eng.sleep()
+    doubled = jax.tree_util.tree_map_with_path(
+        lambda path, w: w * 2 if any(getattr(k, "key", None) == "k_norm" for k in path) else w, params)
+    eng.update_weights(doubled)
+    assert not eng.kv_scales_fresh
+    eng.generate(prompts, sampling)
+    np.testing.assert_allclose(float(eng.cache.k_scale[0]), 2 * k1[0], rtol=1e-5)
+
+
+def test_trainer_side_scales_synced_while_asleep_are_used_after_wake():
+    from fp8rl_jax.models import calibrate_kv_scales
+    from fp8rl_jax.rollout.engine import KvCalibration
+
+    cfg, rng = tiny_qwen3, np.random.default_rng(12)
+    params = _trained_like(cfg, 12)
+    prompts = _prompts(rng, cfg.vocab_size, [6, 11])
+    eng = JaxEngine(cfg, params, dataclasses.replace(F32, precision=Fp8Mode.KV, kv_calibration=KvCalibration.TRAINER))
+    calib = jnp.asarray(rng.integers(2, cfg.vocab_size, (4, 16)), jnp.int32)
+    k, v = calibrate_kv_scales(params, calib, jnp.full((4,), 16), config=cfg, policy=DensePolicy("float32"))
+    eng.sleep()
+    eng.update_weights(params)
+    with pytest.raises(RuntimeError, match="stale"):
+        eng.generate(prompts, GREEDY)
+    eng.sleep()
+    eng.set_kv_scales(k, v)
+    assert eng.asleep and eng.kv_scales_fresh
+    eng.wake()
+    np.testing.assert_array_equal(np.asarray(eng.cache.k_scale), np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(eng.cache.v_scale), np.asarray(v))
+    assert eng.generate(prompts, GREEDY).lengths.tolist() == [7, 7]
+
+
+def test_wake_without_memory_names_the_pool_and_stays_asleep(monkeypatch):
+    from fp8rl_jax.rollout import engine as engine_mod
+
+    cfg = tiny_qwen3
+    eng = JaxEngine(cfg, init_params(cfg, jax.random.key(0), jnp.float32), F32, asleep=True)
+
+    def exhausted(*a, **k):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes.")
+
+    monkeypatch.setattr(engine_mod.PagedKVCache, "init", exhausted)
+    with pytest.raises(RuntimeError, match=r"KV pool \(64 pages, .* GiB\) does not fit"):
+        eng.generate([[3, 4, 5]], GREEDY)
+    assert eng.asleep
+    monkeypatch.undo()
+    assert eng.generate([[3, 4, 5]], GREEDY).lengths.tolist() == [7]

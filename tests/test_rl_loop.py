@@ -227,3 +227,54 @@ def test_metrics_logger_jsonl_tensorboard_and_plot(tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     png = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "p.png", [("r", ["reward/mean"]), ("kl", ["mismatch/kl_k3"])])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rl_step_sleeping_engine_frees_the_pool_and_changes_nothing(tiny_setup):
+    """``rollout.sleep_while_training``: after each step's rollout the engine's KV pool is freed
+    (the trainer's update and the weight sync run without it) and the next rollout allocates it
+    again; two steps give the same metrics and params as with the pool kept (float32, FP8 KV with
+    trainer-side scales synced while asleep)."""
+    from fp8rl_jax.rl.loop import Task, rl_step
+    from fp8rl_jax.rl.trainer import make_train_step
+    from fp8rl_jax.tasks import Example
+
+    cfg, params = tiny_setup
+
+    def run_two(sleep: bool):
+        rc = rlconfig.RLConfig(
+            model=cfg,
+            rollout=rlconfig.RolloutConfig(n_samples=2, max_new_tokens=5, max_seq_len=32, max_slots=8, page_size=4,
+                                           steps_per_call=4, prefill_batch=8, sleep_while_training=sleep),
+            trainer=rlconfig.TrainConfig(micro_batches=1, compute_dtype=ComputeDtype.FLOAT32),
+            precision=rlconfig.PrecisionConfig(rollout=Fp8Mode.KV, kv_calibration=KvCalibration.TRAINER),
+            data=rlconfig.DataConfig(prompts_per_step=2, steps=2, eval_every=0))
+        engine = _engine(cfg, params, Fp8Mode.KV, kv_calibration=KvCalibration.TRAINER)
+        sync_weights(engine, params, model_config=cfg, dtype=jnp.float32, precision=Fp8Mode.KV,
+                     kv_calibration=KvCalibration.TRAINER, calibration_tokens=np.full((2, 8), 5, np.int32),
+                     calibration_lengths=np.array([8, 8], np.int32))
+        rng = np.random.default_rng(0)
+        task = Task(next_batch=lambda n: [Example(prompt="ab"[: 1 + int(rng.integers(2))], answer="")
+                                          for _ in range(n)],
+                    encode=lambda s: [3 + (ord(c) % 20) for c in s], decode=lambda ids: "x" * len(ids),
+                    reward_fn=lambda text, ans: float(len(text) % 2 == 0))
+        tc, policy = rc.trainer_config(), rc.train_policy()
+        opt = make_optimizer(rc.optimizer)
+        state = init_train_state(params, opt, jax.random.key(1))
+        train_step, logprob_fn = make_train_step(cfg, policy, tc, opt), make_logprob_fn(cfg, policy, tc)
+        train = train_step
+        if sleep:  # the trainer's update runs with the pool freed
+            def train(s, b):
+                assert engine.asleep
+                return train_step(s, b)
+        rows = []
+        for step in range(2):
+            state, m = rl_step(step, state, cfg=rc, task=task, engine=engine, train_step=train,
+                               logprob_fn=logprob_fn, model_config=cfg)
+            assert engine.asleep == sleep and engine.kv_scales_fresh
+            rows.append({k: v for k, v in m.items() if not k.startswith("time/") and "per_s" not in k})
+        return rows, state
+
+    rows_kept, state_kept = run_two(False)
+    rows_slept, state_slept = run_two(True)
+    assert rows_slept == rows_kept
+    jax.tree.map(np.testing.assert_array_equal, state_slept.params, state_kept.params)

@@ -63,6 +63,9 @@ class RolloutConfig:
     steps_per_call: int = 8
     prefill_batch: int = 16
     stall_timeout_s: float = 0.0  # > 0: exit (code 3) when generation stops progressing this long
+    # free the engine's KV pool after each rollout, for the trainer's step (JaxEngine.sleep); the
+    # next rollout allocates it again (same shape: no recompile)
+    sleep_while_training: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_samples", "max_new_tokens", "max_seq_len", "max_slots", "page_size", "steps_per_call",

@@ -34,6 +34,10 @@ Design:
   (prefill and decode are different computations, so in BF16/FP8 a near-tie can flip; in float32
   they agree). The last generated token is never fed back, so it has no recording (-1): its
   output predicts nothing the trainer uses.
+- Memory between rollouts (``sleep`` / ``wake``): the KV pool, the engine's largest allocation,
+  holds nothing between generates, so ``sleep`` frees it while a colocated trainer runs and the
+  next generate allocates it again at the same shape (no recompile), keeping the FP8 KV scales
+  and their freshness. ``JaxEngine(..., asleep=True)`` starts without it.
 - Bad input (empty prompt, ids outside the vocabulary, a prompt that cannot fit, bad sampling
   settings) raises ``ValueError`` naming the request before anything runs.
 - Tensor parallelism (``JaxEngine(..., mesh=...)``, a mesh whose only axis of size > 1 is
@@ -182,7 +186,7 @@ class JaxEngine:
     """``Generator`` on the one model definition with a paged KV cache."""
 
     def __init__(self, model_config: ModelConfig, params: Any, config: EngineConfig = EngineConfig(), *,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, asleep: bool = False):
         self.model_config = model_config
         self.config = config
         self.mesh = mesh
@@ -225,8 +229,12 @@ class JaxEngine:
         if self.num_pages < 1:
             raise ValueError(f"a KV budget of {budget / 2**30:.3g} GiB holds no page of {bytes_per_page} bytes")
         self.max_pages = math.ceil(self.max_seq_len / config.page_size)
-        self.cache = PagedKVCache.init(cfg.num_layers, self.num_pages, config.page_size, cfg.num_kv_heads,
-                                       cfg.head_dim, config.max_slots, self.max_pages, kv_dtype, heads=self.heads)
+        self.kv_dtype = kv_dtype
+        self.cache: PagedKVCache | None = None
+        # while asleep (``sleep``): what the pool's next allocation keeps (scales, kernel choice)
+        self._slept = dict(kernels=None, k_scale=None, v_scale=None)
+        if not asleep:
+            self.wake()
         self._static = dict(model_config=model_config, policy=self.policy, max_seq_len=self.max_seq_len,
                             record_routing=config.record_routing)
         self._routing_mismatches = 0
@@ -295,6 +303,56 @@ class JaxEngine:
         self.last_sync = {"reshard_s": t1 - t0, "quantize_s": time.perf_counter() - t1}
         return out
 
+    @property
+    def asleep(self) -> bool:
+        """Whether the KV pool is freed (`sleep`); the next `generate` or `warmup` allocates it."""
+        return self.cache is None
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Device bytes of the KV pool when allocated (all devices of the mesh together)."""
+        c = self.model_config
+        return 2 * c.num_layers * self.num_pages * self.config.page_size * c.num_kv_heads * c.head_dim * \
+            self.kv_dtype.itemsize
+
+    def sleep(self) -> None:
+        """Frees the KV pool's device memory, e.g. while a colocated trainer runs its step (the
+        role of vLLM's sleep mode): the pool is the engine's largest allocation (tens of GiB at
+        8B scale) and holds nothing between generates. The weights stay (``update_weights``
+        replaces them), and so do the FP8 KV scales and whether they are fresh: sleeping never
+        makes stale scales usable nor fresh ones stale. `wake` (or the next ``generate`` /
+        ``warmup``, which wake the engine themselves) allocates a pool of the same shape, so no
+        program recompiles. Idempotent."""
+        if self.cache is None:
+            return
+        c = self.cache
+        self._slept = dict(kernels=c.kernels, k_scale=c.k_scale, v_scale=c.v_scale)
+        for a in (*c.k_pages, *c.v_pages, c.page_table, c.lengths):
+            a.delete()
+        self.cache = None
+
+    def wake(self) -> None:
+        """Allocates the KV pool again after `sleep` (a no-op when awake). Raises a
+        ``RuntimeError`` that names the pool's size when the device cannot hold it (e.g. the
+        trainer still holds its memory); the engine then stays asleep and can be woken later."""
+        if self.cache is not None:
+            return
+        c, cfg = self.model_config, self.config
+        try:
+            cache = PagedKVCache.init(c.num_layers, self.num_pages, cfg.page_size, c.num_kv_heads, c.head_dim,
+                                      cfg.max_slots, self.max_pages, self.kv_dtype, kernels=self._slept["kernels"],
+                                      heads=self.heads)
+        except Exception as e:  # XLA's resource-exhausted error: say what did not fit
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            raise RuntimeError(f"JaxEngine.wake: the KV pool ({self.num_pages} pages, "
+                               f"{self.kv_pool_bytes / 2**30:.2f} GiB) does not fit in device memory now; free "
+                               f"memory (e.g. the trainer's step buffers) and call wake() again") from e
+        if self._slept["k_scale"] is not None:
+            cache = cache.replace(k_scale=self._slept["k_scale"], v_scale=self._slept["v_scale"])
+        self.cache = cache
+        self._slept = dict(kernels=None, k_scale=None, v_scale=None)
+
     def set_kv_scales(self, k_scale: Any, v_scale: Any) -> None:
         """Trainer-side FP8 KV scales ([L] float32 each, from ``calibrate_kv_scales``)."""
         L = self.model_config.num_layers
@@ -308,7 +366,10 @@ class JaxEngine:
         if not (bool(jnp.all(jnp.isfinite(k_scale)) & jnp.all(k_scale > 0))
                 and bool(jnp.all(jnp.isfinite(v_scale)) & jnp.all(v_scale > 0))):
             raise ValueError("KV scales must be finite and positive")
-        self.cache = self.cache.replace(k_scale=k_scale, v_scale=v_scale)
+        if self.cache is None:  # asleep: the pool's next allocation takes them
+            self._slept.update(k_scale=k_scale, v_scale=v_scale)
+        else:
+            self.cache = self.cache.replace(k_scale=k_scale, v_scale=v_scale)
         self.kv_scales_fresh = True
 
     def warmup(self, min_prompt_len: int = 1, max_prompt_len: int | None = None,
@@ -331,6 +392,7 @@ class JaxEngine:
         if not min_prompt_len <= top <= self.max_seq_len:
             raise ValueError(f"max_prompt_len must be in [min_prompt_len, max_seq_len = {self.max_seq_len}], "
                              f"got {max_prompt_len}")
+        self.wake()
         t0 = last = time.perf_counter()
 
         def done(program: str, out: Any) -> None:
@@ -386,6 +448,7 @@ class JaxEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[SamplingConfig]
                  ) -> RolloutBatch:
         requests = self._validate(prompts, sampling)
+        self.wake()
         self._ensure_kv_scales(requests)
         self._run(requests)
         n = len(requests)
