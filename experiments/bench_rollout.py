@@ -3,8 +3,8 @@
 Random weights of the chosen shape are built on the device (no download). For each precision
 mode (none, w8a8, kv, all) the engine generates a workload and we record output tokens/s,
 sequences resident (what the KV budget holds), preemptions, the weight-sync time
-(``update_weights``: re-quantization and swap) and the decode-step time against the HBM
-roofline (weight bytes + KV bytes read per step over 4.3 TB/s).
+(``update_weights``: re-quantization and swap; median of ``--sync-repeats``) and the decode-step
+time against the HBM roofline (weight bytes + KV bytes read per step over 4.3 TB/s).
 
 Workloads (the ones vLLM was measured on, ../shared/vllm-h200/README.md):
   W1: 256 prompts of 1024 random ids -> 2048 new tokens each (temperature 1.0, EOS ignored);
@@ -30,7 +30,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp8rl_jax.environment import run_environment  # noqa: E402
+from fp8rl_jax.environment import enable_compilation_cache, run_environment  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
@@ -84,6 +84,11 @@ class BenchConfig:
     workdir: Path = Path("runs/bench_rollout")  # where the vllm backend writes its checkpoints
     out: Path | None = None
     seed: int = 0
+    # (beside BF16 weights, beside FP8 weights): the KV pool in GiB per mode, as vLLM's
+    # gpu_memory_utilization left it on the same GPU, with the BF16 copy freed in FP8 weight modes
+    # (vLLM's benchmark holds no trainer copy); None: ``engine``'s budget, BF16 copy kept
+    kv_gib_like_vllm: tuple[float, float] | None = None
+    sync_repeats: int = 5  # weight syncs timed per mode (the median is reported)
 
 
 def _requests(w: Workload, vocab: int, seed: int):
@@ -109,7 +114,8 @@ def _memory() -> dict:
 PROGRESS_EVERY_S = 15.0  # seconds between progress lines (module constant: tests lower it)
 
 
-WATCH: StallWatchdog | None = None  # set by the command line (--stall-dump-s): covers warm-up and the runs
+WATCH: StallWatchdog | None = None  # armed by main (--stall-dump-s) once the weights exist: warm-up and the runs
+STALL_DUMP_S = 0.0
 
 
 def _beat(info: Any) -> None:
@@ -143,11 +149,37 @@ def _progress_reporter(mode: Fp8Mode, t0: float, partial) -> Any:
     return report
 
 
-def run_mode(cfg: BenchConfig, params, mode: Fp8Mode, partial=None) -> dict:
+def _engine_config(cfg: BenchConfig, mode: Fp8Mode) -> EngineConfig:
+    ec = dataclasses.replace(cfg.engine, precision=mode)
+    if cfg.kv_gib_like_vllm is not None:  # vLLM's KV pool beside weights of this precision
+        gib = cfg.kv_gib_like_vllm[mode in (Fp8Mode.W8A8, Fp8Mode.ALL)]
+        ec = dataclasses.replace(ec, kv_budget_gib=gib, kv_budget_fraction=0.0, num_pages=0)
+    return ec
+
+
+def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, partial=None) -> dict:
+    """One mode: the engine is built without its KV pool, the weight sync (``update_weights``) is
+    timed, then (``kv_gib_like_vllm``, FP8 weight modes) the BF16 copy the sync read is freed, as
+    vLLM's standalone benchmark holds only its own weights; then the pool is allocated, every
+    program compiled (``warmup``) and the workload generated."""
     _beat(f"{mode.value}: engine init")
-    engine = JaxEngine(cfg.model, params, dataclasses.replace(cfg.engine, precision=mode))
+    params = make_params()
+    engine = JaxEngine(cfg.model, params, _engine_config(cfg, mode), asleep=True)  # compiles the quantization
     _beat(f"{mode.value}: engine ready")
-    print(f"[{mode.value}] memory after engine init (GB): {_memory()}", flush=True)
+    syncs = []
+    for _ in range(max(cfg.sync_repeats, 1)):
+        t0 = time.perf_counter()
+        engine.update_weights(params)
+        jax.block_until_ready(engine.params)
+        syncs.append((time.perf_counter() - t0) * 1e3)
+    sync_ms = float(np.median(syncs))
+    standalone = cfg.kv_gib_like_vllm is not None and engine.params is not params
+    if standalone:
+        del params  # the engine holds its FP8 copy only
+        gc.collect()
+    engine.wake()
+    print(f"[{mode.value}] memory with the KV pool ({engine.kv_pool_bytes / 2**30:.2f} GiB) (GB): {_memory()}",
+          flush=True)
     prompts, sampling = _requests(cfg.workload, cfg.model.vocab_size, cfg.seed)
     # compile every prefill bucket a recompute after preemption can reach, the decode loop and the
     # KV calibration before the clock starts (JaxEngine.warmup writes nothing)
@@ -158,17 +190,13 @@ def run_mode(cfg: BenchConfig, params, mode: Fp8Mode, partial=None) -> dict:
                               recompute=engine.sequences_that_fit < len(prompts))  # else nothing is preempted
     print(f"[{mode.value}] warm-up (compiles) {compile_s:.1f} s", flush=True)
     t0 = time.perf_counter()
-    engine.update_weights(params)
-    jax.block_until_ready(engine.params)
-    sync_ms = (time.perf_counter() - t0) * 1e3
-    t0 = time.perf_counter()
     engine.progress = _progress_reporter(mode, t0, partial)
     batch = engine.generate(prompts, sampling)
     engine.progress = None
     wall = time.perf_counter() - t0
     generated = int(batch.lengths.sum())
     m = cfg.model
-    kv_token_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * engine.cache.k_pages[0].dtype.itemsize
+    kv_token_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * engine.kv_dtype.itemsize
     mean_ctx = cfg.workload.prompt_len + float(batch.lengths.mean()) / 2
     slots = min(cfg.engine.max_slots, engine.num_pages * cfg.engine.page_size // int(mean_ctx + 1))
     step_bytes = _param_bytes(engine.params) + slots * mean_ctx * kv_token_bytes
@@ -190,9 +218,12 @@ def run_mode(cfg: BenchConfig, params, mode: Fp8Mode, partial=None) -> dict:
         "decode_hbm_fraction": measured_step_bytes / max(step_s, 1e-12) / HBM_BPS,
         "wall_s": wall,
         "tokens_per_s": generated / wall,
-        "weight_sync_ms": sync_ms,
+        "weight_sync_ms": sync_ms,  # median of sync_repeats
+        "weight_sync_ms_all": syncs,
         "warmup_compile_s": compile_s,
         "kv_pages": engine.num_pages,
+        "kv_pool_gib": engine.kv_pool_bytes / 2**30,
+        "bf16_copy_freed": standalone,
         "full_length_sequences_that_fit": engine.sequences_that_fit,
         "preemptions": batch.preemptions,
         "roofline_step_ms_at_mean_context": step_bytes / HBM_BPS * 1e3,
@@ -248,13 +279,21 @@ def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> dic
 
 
 def main(cfg: BenchConfig) -> dict:
-    params = jax.jit(lambda k: init_params(cfg.model, k, jnp.bfloat16))(jax.random.key(cfg.seed))
+    global WATCH
+    init = jax.jit(lambda k: init_params(cfg.model, k, jnp.bfloat16))
+    key = jax.random.key(cfg.seed)
+    # the JAX backend builds the weights per mode (the same ones: same key), so a mode can free them
+    params = init(key) if cfg.backend is Backend.VLLM else None
+    if STALL_DUMP_S > 0:  # not before: the random init's one compile took > 60 s for Qwen3-8B on the H200
+        jax.block_until_ready(params if params is not None else init(key))
+        WATCH = StallWatchdog(STALL_DUMP_S, name="bench_rollout")
     results = {
         "environment": run_environment(),
         "model": dataclasses.asdict(cfg.model),
         "workload": dataclasses.asdict(cfg.workload),
         "engine": {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(cfg.engine).items()},
         "backend": cfg.backend.value,
+        "kv_gib_like_vllm": cfg.kv_gib_like_vllm,
         "runs": [],
     }
     for mode in cfg.modes:
@@ -264,7 +303,7 @@ def main(cfg: BenchConfig) -> dict:
                 cfg.out.parent.mkdir(parents=True, exist_ok=True)
                 cfg.out.write_text(json.dumps(dict(results, runs=results["runs"] + [row]), indent=1) + "\n")
 
-        row = (run_mode(cfg, params, mode, partial) if cfg.backend is Backend.JAX
+        row = (run_mode(cfg, lambda: init(key), mode, partial) if cfg.backend is Backend.JAX
                else run_mode_vllm(cfg, params, mode, cfg.workdir))
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
@@ -294,6 +333,14 @@ if __name__ == "__main__":
                     help="KV pool of exactly this many tokens (overrides --kv-gib/--kv-fraction): e.g. the KV "
                          "capacity vLLM reports at gpu_memory_utilization 0.85 (Qwen3-8B on the H200: 740896 "
                          "BF16, 1.57M FP8), so both engines run a workload under the same KV budget")
+    ap.add_argument("--kv-gib-like-vllm", type=float, nargs=2, default=None, metavar=("BF16_WEIGHTS", "FP8_WEIGHTS"),
+                    help="the KV pool in GiB that vLLM's gpu_memory_utilization left beside BF16 and beside FP8 "
+                         "weights on the same GPU (its log: 'Available KV cache memory'; Qwen3-8B on the H200 at "
+                         "0.85: 101.74 and 107.52), per mode by weight precision; FP8 weight modes free the "
+                         "BF16 copy after the sync is timed, as vLLM holds only its own weights (overrides "
+                         "--kv-gib/--kv-fraction/--kv-tokens)")
+    ap.add_argument("--sync-repeats", type=int, default=BenchConfig.sync_repeats,
+                    help="weight syncs (update_weights) timed per mode; the median is reported")
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
     ap.add_argument("--steps-per-call", type=int, default=BenchConfig.engine.steps_per_call)
     ap.add_argument("--prefill-batch", type=int, default=BenchConfig.engine.prefill_batch)
@@ -308,8 +355,8 @@ if __name__ == "__main__":
                          "seconds, print the last progress and every thread's Python stack, and exit 3")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    if a.stall_dump_s > 0:
-        WATCH = StallWatchdog(a.stall_dump_s, name="bench_rollout")
+    enable_compilation_cache()
+    STALL_DUMP_S = a.stall_dump_s
     vllm_cfg = None
     if Backend(a.backend) is Backend.VLLM:  # before JAX touches the GPU: the memory split and vLLM's process settings
         import os
@@ -336,4 +383,6 @@ if __name__ == "__main__":
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)
     main(BenchConfig(model=model, workload=w, modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine,
-                     backend=Backend(a.backend), vllm=vllm_cfg, out=a.out))
+                     backend=Backend(a.backend), vllm=vllm_cfg, out=a.out,
+                     kv_gib_like_vllm=tuple(a.kv_gib_like_vllm) if a.kv_gib_like_vllm else None,
+                     sync_repeats=a.sync_repeats))

@@ -33,6 +33,23 @@ def test_bench_rollout_tiny(tmp_path):
         assert r["decode_step_ms"] > 0 and 0 < r["decode_batch_mean"] <= 4 and r["decode_hbm_fraction"] > 0
 
 
+def test_bench_rollout_kv_pool_like_vllm(tmp_path):
+    """``kv_gib_like_vllm``: each mode's KV pool is the GiB given for its weight precision, and FP8
+    weight modes free the BF16 copy (the engine keeps its FP8 one), as vLLM holds no trainer copy."""
+    bench = _load("bench_rollout")
+    engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, max_seq_len=32, steps_per_call=4,
+                                 dtype="float32", num_pages=3)  # overridden
+    res = bench.main(bench.BenchConfig(model=tiny_qwen3, workload=bench.WORKLOADS["tiny"],
+                                       modes=(Fp8Mode.NONE, Fp8Mode.W8A8, Fp8Mode.ALL), engine=engine,
+                                       kv_gib_like_vllm=(0.002, 0.003)))
+    runs = {r["mode"]: r for r in res["runs"]}
+    page = 2 * tiny_qwen3.num_layers * 16 * tiny_qwen3.num_kv_heads * tiny_qwen3.head_dim  # bytes per item
+    for mode, gib, itemsize in (("none", 0.002, 4), ("w8a8", 0.003, 4), ("all", 0.003, 1)):
+        assert runs[mode]["kv_pages"] == int(gib * 2**30 // (page * itemsize)), mode
+        assert runs[mode]["kv_pool_gib"] <= gib and runs[mode]["generated_tokens"] > 0
+    assert [runs[m]["bf16_copy_freed"] for m in ("none", "w8a8", "all")] == [False, True, True]
+
+
 def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
     """--backend vllm: each mode writes the checkpoint vLLM starts from (block FP8 for W8A8 modes,
     BF16 otherwise; our loader reads it back), starts the generator with the matching settings,
