@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from fp8rl_jax.environment import enable_compilation_cache
 from fp8rl_jax.checkpoint import CheckpointError as HFCheckpointError
 from fp8rl_jax.checkpoint import load_config, load_params, load_tokenizer
 from fp8rl_jax.models import ModelConfig, abstract_params, init_params
@@ -532,6 +533,7 @@ def cli(argv: list[str] | None, *, preset: rlconfig.RLConfig, tiny: rlconfig.RLC
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="override a config field, e.g. rollout.n_samples=8, data.eval_every=10, overflow=truncate")
     args = ap.parse_args(argv)
+    enable_compilation_cache()  # a --resume after a stall exit loads the programs instead of compiling them
     is_tiny = args.preset == "tiny"
     config = AimeConfig(rl=tiny if is_tiny else preset, model_path=args.model_path, random_init=is_tiny, model_name=model_name,
                         chat_template={"auto": None, "on": True, "off": False}[args.chat_template],

@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from fp8rl_jax.environment import enable_compilation_cache
+
+    enable_compilation_cache()  # the next call of the same model loads its programs
     try:
         return args.func(args)
     except CliError as e:

@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# entry points turn on a persistent compilation cache in ~/.cache (fp8rl_jax.environment); tests
+# (and the CLI subprocesses they start) compile fresh and write nothing outside their tmp folders
+os.environ.setdefault("FP8RL_COMPILATION_CACHE", "off")
 HF_REFERENCE = REPO / "tests" / "hf_reference.py"
 
 
@@ -71,10 +74,11 @@ def hf_build(out: Path, hf_config: dict, *, seed: int, dtype: str = "float32", m
     return None if tokens is None else np.load(out.parent / f"{out.name}.logits.npy")
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """Runs ``fp8rl ARGS`` as a separate process, the way users and outside checks call it."""
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs ``fp8rl ARGS`` as a separate process, the way users and outside checks call it
+    (``env``: variables added to this process's environment)."""
     return subprocess.run([sys.executable, "-m", "fp8rl_jax.cli", *args], capture_output=True, text=True,
-                          cwd=REPO)
+                          cwd=REPO, env=None if env is None else {**os.environ, **env})
 
 
 def run_cli_here(capsys, *args: str) -> tuple[int, str]:

@@ -125,3 +125,31 @@ def test_generate_bad_input(model_dir, tmp_path, capsys, prompts, extra, match):
     rc, err = run_cli_here(capsys, *args, *extra)
     assert rc == 2 and re.search(match, err), err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_generate_fills_and_reuses_the_compilation_cache(model_dir, tmp_path):
+    """Entry points turn on JAX's persistent compilation cache (``fp8rl_jax.environment``): the
+    first `fp8rl generate` stores its programs in ``$FP8RL_COMPILATION_CACHE``, the second loads
+    them (no new entry) and writes the same output; ``off`` stores nothing."""
+    import json
+
+    folder, _ = model_dir
+    (tmp_path / "in.json").write_text(json.dumps([[5, 6, 7], [9, 10]]))
+    cache = tmp_path / "cache"
+    env = {"FP8RL_COMPILATION_CACHE": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    args = ["generate", "--model", str(folder), "--prompts", str(tmp_path / "in.json"), "--max-new-tokens", "4",
+            "--seed", "1", "--dtype", "float32"]
+    outs = []
+    for i in range(2):
+        proc = run_cli(*args, "--out", str(tmp_path / f"o{i}.json"), env=env)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(json.loads((tmp_path / f"o{i}.json").read_text()))
+        entries = sorted(p.name for p in cache.iterdir())
+        if i == 0:
+            first = entries
+    assert len(first) > 3 and entries == first and outs[0] == outs[1]
+    off = tmp_path / "off"
+    proc = run_cli(*args, "--out", str(tmp_path / "o2.json"), env={**env, "FP8RL_COMPILATION_CACHE": "off",
+                                                                  "HOME": str(off)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "o2.json").read_text()) == outs[0] and not off.exists()
