@@ -1,7 +1,7 @@
 """Lists the collectives XLA compiles into the tensor-parallel decode step (CPU, 2 forced host devices).
 
 The TP2 engine (Qwen3-8B shape scaled down, head_dim 128, 128-multiples so the Pallas GEMMs apply)
-is built and ``_decode`` lowered and compiled as ``JaxEngine._decode_chunk`` calls it; every
+is built and ``_decode`` lowered and compiled as ``JaxEngine._dispatch_decode`` calls it; every
 all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute of the compiled module is
 printed with its shape and bytes. ``--kernels pallas`` forces the Pallas kernels (interpret mode on
 the CPU; its io_callback bookkeeping adds tiny s32 all-reduces that a GPU build does not have) to

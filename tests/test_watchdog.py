@@ -58,15 +58,15 @@ def test_engine_reports_a_decode_that_stops_finishing():
     eng.warmup(min_prompt_len=5, max_prompt_len=8)  # no compile inside the watched generate
     stalls = []
     eng.on_stall = stalls.append
-    chunk, n = eng._decode_chunk, [0]
+    finish, n = eng._finish_decode, [0]
 
-    def slow_second_chunk(*args):
+    def slow_second_chunk(*args):  # the host waits for a chunk's tokens in _finish_decode
         n[0] += 1
         if n[0] == 2:
             time.sleep(3.0)  # stands in for a device program that stopped finishing
-        return chunk(*args)
+        return finish(*args)
 
-    eng._decode_chunk = slow_second_chunk
+    eng._finish_decode = slow_second_chunk
     got = eng.generate(prompts, sampling)
     assert len(stalls) == 1 and "JaxEngine.generate: no progress" in stalls[0] and '"decode_calls": 1' in stalls[0]
     assert got.token_lists() == want.token_lists()

@@ -12,7 +12,13 @@ Design:
   (compiles stay bounded by buckets x 1), on a view of the cache restricted to their slots.
 - Decode: one jitted call runs ``steps_per_call`` steps for all slots (``lax.fori_loop``), so
   dispatch overhead is paid once per call, not per token. A finished slot stops writing (its
-  ``num_new`` is 0) until the host refills it.
+  ``num_new`` is 0) until the host refills it. The call also returns the slots' end state (last
+  token, active, tokens left), so with ``overlap_host`` (default) the next chunk is dispatched from
+  it before the host reads this chunk's tokens: the host's bookkeeping runs while the device
+  decodes. Pages are then reserved for two chunks ahead; a request preempted while a chunk was in
+  flight for it (its ``epoch`` moved) has that chunk's tokens dropped and recomputed, identically.
+  Device lengths are kept on the device (prefill sets its rows, decode advances them); the host
+  sends them only for rows that do not continue from the previous chunk.
 - Pages: before each decode call every running slot holds pages for ``steps_per_call`` more
   tokens. When the pool runs out, the most recently admitted sequence is preempted: its pages
   are freed and it goes back to the front of the queue with what it generated so far, to be
@@ -119,6 +125,11 @@ class EngineConfig:
         the host inside XLA, beyond any exception, and would hang the job silently. Set it above
         the longest compile a generate may do (8B on the H200: ~30 s; `warmup` first avoids
         them), e.g. 300. 0 (default): off.
+      overlap_host: dispatch each decode chunk before the host reads the previous one's tokens, so
+        the host's bookkeeping (appending tokens, finishing and admitting requests, page tables)
+        runs while the device decodes instead of between device calls. The tokens are the same
+        either way (sampling keys depend on request seed and position only); a slot freed by a
+        finished request is refilled one chunk later, and pages are reserved two chunks ahead.
     """
 
     max_slots: int = 32
@@ -139,6 +150,7 @@ class EngineConfig:
     record_routing: bool = False
     fp8_block: tuple[int, int] = (128, 128)
     stall_timeout_s: float = 0.0
+    overlap_host: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -176,10 +188,31 @@ class _Request:
     finish: FinishReason | None = None
     routing: list[np.ndarray] = dataclasses.field(default_factory=list)  # [n, L_moe, k] chunks, by position
     routed: int = 0  # positions recorded so far (0..routed-1)
+    epoch: int = 0  # preemptions so far: a decode chunk dispatched before one has no say on this request
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
 
     @property
     def context(self) -> list[int]:
         return self.prompt + self.generated
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """A dispatched decode call: when, for which requests (and their preemption epochs), its device
+    outputs (tokens, logprobs, finish codes, routing) and end state, its running rows and the
+    context tokens they read at its start."""
+
+    dispatched: float
+    reqs: list
+    epochs: list[int]
+    outputs: tuple
+    state: tuple
+    rows: int
+    context: int
+    device_s: float | None = None  # set when the host first waits for it
 
 
 class JaxEngine:
@@ -475,6 +508,10 @@ class JaxEngine:
 
     # ----------------------------------------------------------------------- validation
 
+    def _most_kv(self, r: _Request) -> int:
+        """The KV slots request ``r`` may ever need (what `_validate` checked the pool holds)."""
+        return min(len(r.prompt) + r.sampling.max_tokens, self.max_seq_len) + self.config.steps_per_call
+
     def _validate(self, prompts, sampling) -> list[_Request]:
         if isinstance(sampling, SamplingConfig):
             sampling = [sampling] * len(prompts)
@@ -496,7 +533,7 @@ class JaxEngine:
                                  f"max_seq_len {self.max_seq_len}")
             if not isinstance(s, SamplingConfig):
                 raise ValueError(f"request {i}: sampling must be a SamplingConfig, got {type(s).__name__}")
-            need = min(len(prompt) + s.max_tokens, self.max_seq_len) + self.config.steps_per_call
+            need = self._most_kv(_Request(i, prompt, s, ()))
             if need > capacity:
                 raise ValueError(f"request {i}: needs up to {need} KV slots but the pool holds {capacity} "
                                  f"({self.num_pages} pages of {self.config.page_size})")
@@ -519,18 +556,22 @@ class JaxEngine:
                 self._watch = None
 
     def _run_loop(self, requests: list[_Request]) -> None:
-        B, ps = self.config.max_slots, self.config.page_size
+        B, ps, steps = self.config.max_slots, self.config.page_size, self.config.steps_per_call
         queue = collections.deque(requests)
         self._preemptions = 0
         self._routing_mismatches = 0
         self.stats = dict.fromkeys(("prefill_calls", "prefill_tokens", "prefill_s", "decode_calls", "decode_steps",
                                     "decode_s", "decode_slot_steps", "decode_kv_tokens"), 0)
+        # device work completes in dispatch order: each call's device time runs from the later of its
+        # dispatch and the previous call's observed completion to its own (``_completed``)
+        self._clock = time.perf_counter()
         slots: list[_Request | None] = [None] * B
         pages: list[list[int]] = [[] for _ in range(B)]
         free = list(range(self.num_pages - 1, -1, -1))
         admitted_order: list[int] = []
         page_table = np.zeros((B, self.max_pages), np.int32)
-        lengths = np.zeros((B,), np.int32)
+        lengths = np.zeros((B,), np.int32)  # tokens in the cache per slot, as of the calls the host has read
+        pending: _Chunk | None = None  # a decode chunk dispatched but not read yet (overlap_host)
 
         def ensure(slot: int, tokens: int) -> bool:
             want = min(math.ceil(tokens / ps), self.max_pages)
@@ -550,43 +591,56 @@ class JaxEngine:
             if slot in admitted_order:
                 admitted_order.remove(slot)
 
-        while queue or any(s is not None for s in slots):
+        def release_finished() -> None:
+            for slot in range(B):
+                if slots[slot] is not None and slots[slot].finish is not None:
+                    release(slot)
+
+        while queue or pending is not None or any(s is not None for s in slots):
             # admit waiting requests into free slots while their context and a decode chunk fit
             group = []
             while queue and None in slots:
                 r = queue[0]
                 slot = slots.index(None)
-                if not ensure(slot, len(r.context) + self.config.steps_per_call):
+                if not ensure(slot, len(r.prompt) + len(r.generated) + steps):
                     release(slot)
                     break
                 queue.popleft()
                 slots[slot] = r
                 admitted_order.append(slot)
                 group.append(slot)
+            if group and pending is not None:  # its device time ends before the prefill's starts
+                self._observe(pending)
             for start in range(0, len(group), self.config.prefill_batch):
                 self._prefill_group(group[start : start + self.config.prefill_batch], slots, page_table, lengths)
                 self._progress(requests, len(queue), len(group))
-            for slot in range(B):
-                if slots[slot] is not None and slots[slot].finish is not None:
-                    release(slot)
-            running = [s for s in range(B) if slots[s] is not None]
-            if not running:
-                continue
-            # every running slot needs pages for the coming decode chunk; preempt the newest if not
-            for slot in list(running):
-                while slots[slot] is not None and not ensure(slot, int(lengths[slot]) + self.config.steps_per_call):
-                    victim = admitted_order[-1]
-                    r = slots[victim]
-                    release(victim)
-                    queue.appendleft(r)
-                    self._preemptions += 1
-            running = [s for s in range(B) if slots[s] is not None]
-            if running:
-                self._decode_chunk(slots, page_table, lengths)
-                self._progress(requests, len(queue), len(running))
-            for slot in range(B):
-                if slots[slot] is not None and slots[slot].finish is not None:
-                    release(slot)
+            release_finished()
+            chunk = None
+            if any(s is not None for s in slots):
+                # every running slot needs pages for the coming chunk, and for the one in flight (which may
+                # add ``steps`` tokens before it starts); preempt the newest if not
+                ahead = steps * (2 if pending is not None else 1)
+                for slot in range(B):
+                    while slots[slot] is not None and not ensure(slot, min(int(lengths[slot]) + ahead,
+                                                                           self._most_kv(slots[slot]))):
+                        victim = admitted_order[-1]
+                        r = slots[victim]
+                        release(victim)
+                        r.epoch += 1  # the chunk in flight computed on for it: dropped, recomputed later
+                        queue.appendleft(r)
+                        self._preemptions += 1
+                if any(s is not None for s in slots):
+                    chunk = self._dispatch_decode(slots, page_table, lengths, pending)
+            if pending is not None:
+                self._finish_decode(pending, slots, lengths)
+                self._progress(requests, len(queue), sum(s is not None for s in slots))
+                release_finished()
+            pending = chunk
+            if pending is not None and not self.config.overlap_host:
+                self._finish_decode(pending, slots, lengths)
+                self._progress(requests, len(queue), sum(s is not None for s in slots))
+                release_finished()
+                pending = None
 
     # ----------------------------------------------------------------------- device calls
 
@@ -624,13 +678,14 @@ class JaxEngine:
             slot_ids[i] = s
             lengths[s] = 0
         sampling, stops, remaining = self._slot_arrays(reqs + [None] * (P - len(reqs)))
-        self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
+        # the page table only: the other slots' lengths are the device's (a decode chunk may be in flight)
+        self.cache = self.cache.replace(page_table=jnp.asarray(page_table))
         t0 = time.perf_counter()
         tok, lp, code, self.cache, routing = _prefill(self.params, self.cache, jnp.asarray(slot_ids),
                                                       jnp.asarray(tokens), jnp.asarray(num_new), sampling, stops,
                                                       remaining, **self._static)
+        self._count(prefill_calls=1, prefill_tokens=int(num_new.sum()), prefill_s=self._completed((tok, lp, code), t0))
         tok, lp, code = np.asarray(tok), np.asarray(lp), np.asarray(code)
-        self._count(prefill_calls=1, prefill_tokens=int(num_new.sum()), prefill_s=time.perf_counter() - t0)
         routing = None if routing is None else np.asarray(routing)
         for i, (s, r) in enumerate(zip(group, reqs)):
             lengths[s] = num_new[i]
@@ -647,38 +702,79 @@ class JaxEngine:
         r.routing.append(experts[r.routed :])
         r.routed = experts.shape[0]
 
-    def _decode_chunk(self, slots, page_table, lengths) -> None:
+    def _completed(self, outputs: Any, dispatched: float) -> float:
+        """Waits for ``outputs`` and returns the device seconds of the call that made them: from the
+        later of its dispatch and the previous call's completion (calls complete in dispatch order)
+        to now."""
+        jax.block_until_ready(outputs)
+        now = time.perf_counter()
+        start = max(dispatched, self._clock)
+        self._clock = now
+        return now - start
+
+    def _observe(self, chunk: _Chunk) -> None:
+        """Waits for a decode chunk once, keeping its device seconds (`_completed`)."""
+        if chunk.device_s is None:
+            chunk.device_s = self._completed(chunk.outputs, chunk.dispatched)
+
+    def _dispatch_decode(self, slots, page_table, lengths, pending: _Chunk | None) -> _Chunk:
+        """Dispatches ``steps_per_call`` decode steps for the slots' requests, without waiting. A slot
+        whose request ran in ``pending`` (same request, not preempted since) continues from the
+        state ``pending`` will leave on the device (its tokens not read yet); the others start from
+        the host's view (just prefilled, or idle)."""
         B, steps = self.config.max_slots, self.config.steps_per_call
         reqs = list(slots)
         sampling, stops, remaining = self._slot_arrays(reqs)
-        last = np.array([r.context[-1] if r is not None else 0 for r in reqs], np.int32)
-        active = np.array([r is not None for r in reqs])
-        self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths))
+        host_last = np.array([r.last_token if r is not None else 0 for r in reqs], np.int32)
+        host_active = np.array([r is not None for r in reqs])
+        cont = np.array([pending is not None and r is not None and pending.reqs[s] is r
+                         and pending.epochs[s] == r.epoch for s, r in enumerate(reqs)])
+        host_lengths = jnp.asarray(lengths)
+        if cont.any():
+            dev_last, dev_active, dev_remaining = pending.state
+            c = jnp.asarray(cont)
+            last, active = jnp.where(c, dev_last, host_last), jnp.where(c, dev_active, host_active)
+            remaining = jnp.where(c, dev_remaining, remaining)
+            cache_lengths = jnp.where(c, self.cache.lengths, host_lengths)
+        else:
+            last, active, cache_lengths = jnp.asarray(host_last), jnp.asarray(host_active), host_lengths
+        self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=cache_lengths)
         t0 = time.perf_counter()
-        toks, lps, codes, self.cache, routing = _decode(self.params, self.cache, jnp.asarray(last),
-                                                        jnp.asarray(active), sampling, stops, remaining, steps=steps,
-                                                        **self._static)
+        toks, lps, codes, self.cache, routing, state = _decode(self.params, self.cache, last, active, sampling, stops,
+                                                              remaining, steps=steps, **self._static)
+        # KV tokens read (stats): each row running at the call's start reads its whole context every
+        # step; for a continuing row the host's length lags by the chunk in flight (up to ``steps``)
+        ctx = int(lengths[host_active].sum()) + int(cont.sum()) * steps
+        return _Chunk(t0, reqs, [r.epoch if r is not None else 0 for r in reqs], (toks, lps, codes, routing), state,
+                      int(host_active.sum()), ctx)
+
+    def _finish_decode(self, chunk: _Chunk, slots, lengths) -> None:
+        """Reads a dispatched chunk's tokens into its requests: those still in their slot and not
+        preempted since the dispatch (a preempted one is recomputed from its context later, and
+        its sampling keys make the same tokens)."""
+        B, steps = self.config.max_slots, self.config.steps_per_call
+        toks, lps, codes, routing = chunk.outputs
+        self._observe(chunk)
         toks, lps, codes = np.asarray(toks), np.asarray(lps), np.asarray(codes)
-        # KV tokens read: each row running at the call's start reads its whole context every step
-        # (a row that finishes inside the call stops growing, so its growth is slightly overcounted)
-        ctx = int(lengths[active].sum())
-        self._count(decode_calls=1, decode_steps=steps, decode_s=time.perf_counter() - t0,
-                    decode_slot_steps=int(active.sum()) * steps,
-                    decode_kv_tokens=steps * ctx + int(active.sum()) * steps * (steps + 1) // 2)
+        n = chunk.rows
+        self._count(decode_calls=1, decode_steps=steps, decode_s=chunk.device_s, decode_slot_steps=n * steps,
+                    decode_kv_tokens=steps * chunk.context + n * steps * (steps + 1) // 2)
         routing = None if routing is None else np.asarray(routing)
         for s in range(B):
-            r = reqs[s]
-            if r is None:
+            r = chunk.reqs[s]
+            if r is None or slots[s] is not r or r.epoch != chunk.epochs[s] or r.finish is not None:
                 continue
-            for j in range(steps):
-                if r.finish is not None:
-                    break
-                if routing is not None:  # step j fed the last context token, position len(context) - 1
-                    assert r.routed == len(r.context) - 1, (r.index, r.routed, len(r.context))
-                    r.routing.append(routing[s, j][None])
-                    r.routed += 1
-                self._append(r, int(toks[s, j]), float(lps[s, j]), int(codes[s, j]))
-                lengths[s] += 1
+            done = np.flatnonzero(codes[s])
+            n_new = int(done[0]) + 1 if done.size else steps
+            if routing is not None:  # step j fed the last context token, position len(context) - 1
+                assert r.routed == len(r.prompt) + len(r.generated) - 1, (r.index, r.routed)
+                r.routing.append(routing[s, :n_new])
+                r.routed += n_new
+            r.generated.extend(toks[s, :n_new].tolist())
+            r.logprobs.extend(lps[s, :n_new].tolist())
+            if done.size:
+                r.finish = _FINISH_CODES[int(codes[s, done[0]])]
+            lengths[s] += n_new
 
     def _progress(self, requests: list[_Request], queued: int, running: int) -> None:
         """Calls ``self.progress`` (if set) with this generate's counters so far: the ``stats`` keys,
@@ -801,7 +897,9 @@ def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remainin
 def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, model_config, policy, max_seq_len,
             record_routing=False):
     """``steps`` decode steps for every slot; finished or empty slots write nothing. With
-    ``record_routing`` also returns the experts of the token each step fed in [B, steps, L_moe, k]."""
+    ``record_routing`` also returns the experts of the token each step fed in [B, steps, L_moe, k].
+    The last element is the slots' state after the chunk (last token, still active, tokens left),
+    from which the next chunk can start before the host has read this one's tokens."""
     B = last.shape[0]
 
     def step(j, carry):
@@ -822,5 +920,5 @@ def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, m
         L, k = len(moe_layers(model_config)), model_config.num_experts_per_tok
         out_routing = jnp.full((B, steps, L, k), -1, jnp.int32)
     carry = (cache, last, active, remaining, zeros, jnp.zeros((B, steps), jnp.float32), zeros, out_routing)
-    cache, _, _, _, out_tok, out_lp, out_code, out_routing = jax.lax.fori_loop(0, steps, step, carry)
-    return out_tok, out_lp, out_code, cache, out_routing
+    cache, last, active, remaining, out_tok, out_lp, out_code, out_routing = jax.lax.fori_loop(0, steps, step, carry)
+    return out_tok, out_lp, out_code, cache, out_routing, (last, active, remaining)
