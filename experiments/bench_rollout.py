@@ -341,6 +341,8 @@ if __name__ == "__main__":
                          "--kv-gib/--kv-fraction/--kv-tokens)")
     ap.add_argument("--sync-repeats", type=int, default=BenchConfig.sync_repeats,
                     help="weight syncs (update_weights) timed per mode; the median is reported")
+    ap.add_argument("--no-overlap-host", action="store_true",
+                    help="the synchronous host loop (EngineConfig.overlap_host=False), to measure what overlap saves")
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
     ap.add_argument("--steps-per-call", type=int, default=BenchConfig.engine.steps_per_call)
     ap.add_argument("--prefill-batch", type=int, default=BenchConfig.engine.prefill_batch)
@@ -378,7 +380,7 @@ if __name__ == "__main__":
     if a.kv_tokens:
         sizing["num_pages"] = -(-a.kv_tokens // BenchConfig.engine.page_size)
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
-                                 max_slots=a.max_slots, **sizing)
+                                 max_slots=a.max_slots, overlap_host=not a.no_overlap_host, **sizing)
     model = PRESETS[a.preset]
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)

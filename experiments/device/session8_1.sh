@@ -3,6 +3,7 @@
 #   GPU 0: our W1 none and w8a8 under vLLM's KV budget per weight precision (--kv-gib-like-vllm: 101.74 GiB
 #          beside BF16 weights, 107.52 beside FP8, the BF16 copy freed in w8a8 as vLLM holds none), then kv
 #          and all if time is left (the FP8 KV modes hold W1 whole either way).
+#          (overlap_host on, the default: compare wall - prefill_s - decode_s with session 7's 2.4-3.6 s)
 #   GPU 1: the decode step by kernel with the 2-warp FP8 attention entry (profile_decode, 256 rows, context
 #          <= 3072 as W1 reaches), then vLLM 0.26 W2 BF16 (its W2 numbers are from session 1).
 source experiments/device/env.sh
