@@ -4,9 +4,11 @@ under other batch compositions, page sizes and preemption."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import subprocess
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -380,6 +382,33 @@ def test_sleep_frees_the_pool_and_changes_no_result():
     assert not eng.kv_scales_fresh
     eng.generate(prompts, sampling)
     np.testing.assert_allclose(float(eng.cache.k_scale[0]), 2 * k1[0], rtol=1e-5)
+
+
+def test_sleep_can_drop_the_weights_until_the_next_update():
+    """``sleep(weights=True)`` lets go of the engine's weights (a W8A8 engine's FP8 copy is freed;
+    arrays the caller holds are untouched); generating before ``update_weights`` is an error that
+    says so, and after it the engine generates as a fresh one."""
+    cfg, rng = tiny_qwen3, np.random.default_rng(13)
+    params = _trained_like(cfg, 13)
+    prompts = _prompts(rng, cfg.vocab_size, [5, 8])
+    ec = dataclasses.replace(F32, precision=Fp8Mode.W8A8, fp8_block=(16, 16))
+    eng = JaxEngine(cfg, params, ec)
+    first = eng.generate(prompts, GREEDY)
+    fp8 = [weakref.ref(w) for w in jax.tree.leaves(eng.params) if w.dtype == jnp.float8_e4m3fn]
+    assert fp8 and all(r() is not None for r in fp8)
+    eng.sleep(weights=True)
+    gc.collect()
+    assert eng.asleep and eng.params is None
+    assert all(r() is None for r in fp8)  # the engine held the only references: its FP8 copy is gone
+    assert all(not w.is_deleted() for w in jax.tree.leaves(params))
+    with pytest.raises(RuntimeError, match="call update_weights"):
+        eng.generate(prompts, GREEDY)
+    with pytest.raises(RuntimeError, match="call update_weights"):
+        eng.warmup(min_prompt_len=5, max_prompt_len=8)
+    eng.update_weights(params)
+    again = eng.generate(prompts, GREEDY)
+    assert again.token_lists() == first.token_lists()
+    np.testing.assert_array_equal(again.logprobs, first.logprobs)
 
 
 def test_trainer_side_scales_synced_while_asleep_are_used_after_wake():

@@ -230,8 +230,9 @@ def test_metrics_logger_jsonl_tensorboard_and_plot(tmp_path):
 
 
 def test_rl_step_sleeping_engine_frees_the_pool_and_changes_nothing(tiny_setup):
-    """``rollout.sleep_while_training``: after each step's rollout the engine's KV pool is freed
-    (the trainer's update and the weight sync run without it) and the next rollout allocates it
+    """``rollout.sleep_while_training``: after each step's rollout the engine's KV pool and weight
+    copy are freed (the trainer's update runs without them; the weight sync hands new weights
+    over) and the next rollout allocates the pool
     again; two steps give the same metrics and params as with the pool kept (float32, FP8 KV with
     trainer-side scales synced while asleep)."""
     from fp8rl_jax.rl.loop import Task, rl_step
@@ -264,7 +265,7 @@ def test_rl_step_sleeping_engine_frees_the_pool_and_changes_nothing(tiny_setup):
         train = train_step
         if sleep:  # the trainer's update runs with the pool freed
             def train(s, b):
-                assert engine.asleep
+                assert engine.asleep and engine.params is None
                 return train_step(s, b)
         rows = []
         for step in range(2):

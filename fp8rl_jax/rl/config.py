@@ -63,8 +63,9 @@ class RolloutConfig:
     steps_per_call: int = 8
     prefill_batch: int = 16
     stall_timeout_s: float = 0.0  # > 0: exit (code 3) when generation stops progressing this long
-    # free the engine's KV pool after each rollout, for the trainer's step (JaxEngine.sleep); the
-    # next rollout allocates it again (same shape: no recompile)
+    # free the engine's KV pool and weight copy after each rollout, for the trainer's step
+    # (JaxEngine.sleep(weights=True)); the weight sync hands new weights over and the next rollout
+    # allocates the pool again (same shape: no recompile)
     sleep_while_training: bool = False
 
     def __post_init__(self) -> None:

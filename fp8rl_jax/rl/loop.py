@@ -410,7 +410,9 @@ def rl_step(step: int, state: TrainState, *, cfg, task: Task, engine: Generator,
     ro = rollout(engine, prompt_ids, n_samples=cfg.rollout.n_samples, sampling=cfg.rollout.sampling,
                  step=step, seed=cfg.seed)
     if cfg.rollout.sleep_while_training and hasattr(engine, "sleep"):
-        engine.sleep()  # the KV pool's memory goes to the trainer; the next generate allocates it again
+        # the KV pool's memory and the generator's weight copy go to the trainer; sync_weights below
+        # hands the new weights over and the next generate allocates the pool again
+        engine.sleep(weights=True)
     rewards, _ = score(ro, [e.answer for e in examples], task.reward_fn, task.decode)
     batch = build_batch(ro, rewards, estimator=alg.estimator)
     batch, t_lp = timed(with_trainer_logprobs, batch, logprob_fn, state.params, gamma=alg.gamma, lam=alg.lam,

@@ -348,14 +348,19 @@ class JaxEngine:
         return 2 * c.num_layers * self.num_pages * self.config.page_size * c.num_kv_heads * c.head_dim * \
             self.kv_dtype.itemsize
 
-    def sleep(self) -> None:
+    def sleep(self, weights: bool = False) -> None:
         """Frees the KV pool's device memory, e.g. while a colocated trainer runs its step (the
         role of vLLM's sleep mode): the pool is the engine's largest allocation (tens of GiB at
-        8B scale) and holds nothing between generates. The weights stay (``update_weights``
-        replaces them), and so do the FP8 KV scales and whether they are fresh: sleeping never
-        makes stale scales usable nor fresh ones stale. `wake` (or the next ``generate`` /
-        ``warmup``, which wake the engine themselves) allocates a pool of the same shape, so no
-        program recompiles. Idempotent."""
+        8B scale) and holds nothing between generates. The FP8 KV scales stay, and so does
+        whether they are fresh: sleeping never makes stale scales usable nor fresh ones stale.
+        `wake` (or the next ``generate`` / ``warmup``, which wake the engine themselves)
+        allocates a pool of the same shape, so no program recompiles. ``weights=True`` also
+        drops the engine's reference to its weights (the FP8 copy of a W8A8 engine, or the cast
+        copy the RL loop hands over: 8-16 GB at 8B scale are then the trainer's; arrays the
+        caller still holds are not touched); ``update_weights`` must come before the next
+        generate, as it does in an RL step. Idempotent."""
+        if weights:
+            self.params = None
         if self.cache is None:
             return
         c = self.cache
@@ -363,6 +368,11 @@ class JaxEngine:
         for a in (*c.k_pages, *c.v_pages, c.page_table, c.lengths):
             a.delete()
         self.cache = None
+
+    def _need_weights(self) -> None:
+        if self.params is None:
+            raise RuntimeError("JaxEngine has no weights: sleep(weights=True) dropped them; call update_weights "
+                               "before generating")
 
     def wake(self) -> None:
         """Allocates the KV pool again after `sleep` (a no-op when awake). Raises a
@@ -425,6 +435,7 @@ class JaxEngine:
         if not min_prompt_len <= top <= self.max_seq_len:
             raise ValueError(f"max_prompt_len must be in [min_prompt_len, max_seq_len = {self.max_seq_len}], "
                              f"got {max_prompt_len}")
+        self._need_weights()
         self.wake()
         t0 = last = time.perf_counter()
 
@@ -481,6 +492,7 @@ class JaxEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[SamplingConfig]
                  ) -> RolloutBatch:
         requests = self._validate(prompts, sampling)
+        self._need_weights()
         self.wake()
         self._ensure_kv_scales(requests)
         self._run(requests)
