@@ -60,10 +60,11 @@ Layout constraints: ``page_size``, ``pages_per_block`` and ``H`` powers of two (
 under 16 tokens (a dot needs N >= 16). The page table is padded in the wrapper
 by ``pages_per_block`` columns so a block's page-id slice never runs past it.
 
-Deviations / limits: with S > 1 every program writes a float32 partial ``[Gp, H]`` and lse
-(empty splits too), combined by XLA: ``S * B * K * Gp * H * 4`` bytes written and read again
-(Gp padded: 4x the real rows for Qwen3-8B's G = 4), a few % of the KV bytes at S <= 16; with
-S = 1 the kernel writes the output directly. The tensor-core work is padded too (M = 16 for
+Deviations / limits: with S > 1 every program writes a float32 partial ``[G, H]`` and lse
+(empty splits too; only the G real rows of the padded group, when G is a power of two, else all
+Gp), combined by XLA: ``S * B * K * G * H * 4`` bytes written and read again, ~2% of the FP8 KV
+bytes at W1's decode shapes (S = 3; writing all Gp = 16 rows for G = 4 made it ~9%); with S = 1
+the kernel writes the output directly. The tensor-core work is padded too (M = 16 for
 G = 4), harmless while decode is bandwidth-bound. A Mosaic GPU version would add TMA page
 loads (one descriptor copy per page, by page id) into a multi-stage shared-memory ring so the
 next pages stream while the current block computes, wgmma with M = 64 filled by the GQA group
@@ -272,12 +273,14 @@ def _word_gather(config: PagedAttentionConfig, pool_dtype, cdt, head_dim: int) -
 
 def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, num_splits: int,
                    pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int, cdt,
-                   planes: int = 1, asm: bool = False):
+                   planes: int = 1, asm: bool = False, rows_out: int | None = None):
     """Refs: len [B], pt [B, max_pages + pages_per_block], scale [2] (k_scale * H^-0.5, v_scale),
     q [Gp, H], k/v [P, page_size, H / planes] (this kv head); out [Gp, H] (S == 1) or o [Gp, H]
     f32 and lse [Gp] f32. ``cdt``: the dots' operand dtype (`_dot_dtype`). ``planes`` = 4: the
     pools are uint32 words of 4 E4M3 values and q, out are in plane order (column ``j * H/4 + c``
-    is head dim ``4c + j``), so the logits are the sum of 4 plane dots and P@V runs per plane."""
+    is head dim ``4c + j``), so the logits are the sum of 4 plane dots and P@V runs per plane.
+    ``rows_out``: the output rows stored (the real query heads of the group, the first rows of the
+    ``Gp`` computed), so the padding rows cost no output bytes."""
     b, s = pl.program_id(0), pl.program_id(2)
     gp, h = q_ref.shape
     ps, hw = k_ref.shape[1], k_ref.shape[2]  # hw = H / planes
@@ -337,8 +340,13 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     has = l > 0
     inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
     o_ref = out_refs[0]
+    rows = gp if rows_out is None else rows_out
+
+    def real(x):  # the first ``rows`` rows (an equal power-of-two split: what Triton's lowering takes)
+        return x if rows == gp else jnp.split(x, gp // rows, axis=0)[0]
+
     for j, acc in enumerate(accs):
-        out = acc * (inv * v_scale)[:, None]
+        out = real(acc * (inv * v_scale)[:, None])
         if num_splits == 1:
             out = out.astype(o_ref.dtype)
         if planes == 1:
@@ -346,7 +354,7 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
         else:
             o_ref[:, pl.ds(j * hw, hw)] = out
     if num_splits > 1:
-        out_refs[1][...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), _MASK_VALUE)
+        out_refs[1][...] = real(jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), _MASK_VALUE))
 
 
 def _pool_dims(pages, layout: KvLayout) -> tuple[int, int, int, int]:
@@ -380,9 +388,12 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, bp)))
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()) * (H**-0.5),
                         jnp.asarray(v_scale, jnp.float32).reshape(())])
+    # only the G real rows of the padded group are written: with splits the float32 partials of the
+    # Gp rows were 4x the real ones at Qwen3's G = 4 (3.6 GB per 36-layer step at B = 256, S = 3)
+    go = G if _pow2(G) else gp
     kernel = functools.partial(_decode_kernel, num_splits=S, pages_per_block=bp,
                                pages_per_split=config.pages_per_split, max_pages=max_pages, num_pages=P,
-                               cdt=cdt, planes=planes, asm=not interpret)
+                               cdt=cdt, planes=planes, asm=not interpret, rows_out=go)
     hw = H // planes
     in_specs = [
         pl.BlockSpec((B,), lambda b, k, s: (0,)),
@@ -396,13 +407,13 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
         pool_spec = pl.BlockSpec((P, ps, None, hw), lambda b, k, s: (0, 0, k, 0))
     in_specs += [pool_spec, pool_spec]
     if S == 1:
-        out_specs = pl.BlockSpec((None, None, gp, H), lambda b, k, s: (b, k, 0, 0))
-        out_shape = jax.ShapeDtypeStruct((B, K, gp, H), q.dtype)
+        out_specs = pl.BlockSpec((None, None, go, H), lambda b, k, s: (b, k, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((B, K, go, H), q.dtype)
     else:
-        out_specs = [pl.BlockSpec((None, None, None, gp, H), lambda b, k, s: (s, b, k, 0, 0)),
-                     pl.BlockSpec((None, None, None, gp), lambda b, k, s: (s, b, k, 0))]
-        out_shape = [jax.ShapeDtypeStruct((S, B, K, gp, H), jnp.float32),
-                     jax.ShapeDtypeStruct((S, B, K, gp), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, go, H), lambda b, k, s: (s, b, k, 0, 0)),
+                     pl.BlockSpec((None, None, None, go), lambda b, k, s: (s, b, k, 0))]
+        out_shape = [jax.ShapeDtypeStruct((S, B, K, go, H), jnp.float32),
+                     jax.ShapeDtypeStruct((S, B, K, go), jnp.float32)]
     res = pl.pallas_call(
         kernel,
         grid=(B, K, S),
@@ -417,7 +428,7 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
         out = res
     else:
         o, lse = res
-        w = jnp.exp(lse - jnp.max(lse, axis=0, keepdims=True))  # [S, B, K, gp]
+        w = jnp.exp(lse - jnp.max(lse, axis=0, keepdims=True))  # [S, B, K, go]
         num, den = o[0] * w[0][..., None], w[0]
         for i in range(1, S):  # a fixed elementwise order (no reduction whose order depends on B)
             num, den = num + o[i] * w[i][..., None], den + w[i]
