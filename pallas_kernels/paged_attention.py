@@ -70,7 +70,10 @@ loads (one descriptor copy per page, by page id) into a multi-stage shared-memor
 next pages stream while the current block computes, wgmma with M = 64 filled by the GQA group
 of several kv heads or rows, warp-specialized producer/consumer warpgroups, and an in-kernel
 split combine (no partials round trip); the Triton version relies on ``num_stages`` software
-pipelining of the gathers.
+pipelining of the gathers. E4M3 q.K dots (the query quantized per row, K fed as stored) were
+built and compiled offline for sm_90 (session 7): at M = 16 Triton 3.6 lowers an E4M3 dot to
+float16 ``mma.sync`` after the same per-element conversions (MMAv2; wgmma needs M >= 64), so they
+saved no instruction and cost the query's rounding; not kept.
 
 Tuning: `default_config` takes the config measured fastest for the pool dtype on this device kind
 from ``paged_attention_tuning.json`` (``main --tuning-out``, or another table named by
