@@ -130,13 +130,15 @@ def test_generate_bad_input(model_dir, tmp_path, capsys, prompts, extra, match):
 def test_generate_fills_and_reuses_the_compilation_cache(model_dir, tmp_path):
     """Entry points turn on JAX's persistent compilation cache (``fp8rl_jax.environment``): the
     first `fp8rl generate` stores its programs in ``$FP8RL_COMPILATION_CACHE``, the second loads
-    them (no new entry) and writes the same output; ``off`` stores nothing."""
+    them (no new entry) and writes the same output."""
     import json
 
     folder, _ = model_dir
     (tmp_path / "in.json").write_text(json.dumps([[5, 6, 7], [9, 10]]))
     cache = tmp_path / "cache"
-    env = {"FP8RL_COMPILATION_CACHE": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    # JAX_COMPILATION_CACHE_DIR (CI sets one for the suite) would take precedence: unset it here
+    env = {"FP8RL_COMPILATION_CACHE": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_COMPILATION_CACHE_DIR": ""}
     args = ["generate", "--model", str(folder), "--prompts", str(tmp_path / "in.json"), "--max-new-tokens", "4",
             "--seed", "1", "--dtype", "float32"]
     outs = []
@@ -148,8 +150,21 @@ def test_generate_fills_and_reuses_the_compilation_cache(model_dir, tmp_path):
         if i == 0:
             first = entries
     assert len(first) > 3 and entries == first and outs[0] == outs[1]
-    off = tmp_path / "off"
-    proc = run_cli(*args, "--out", str(tmp_path / "o2.json"), env={**env, "FP8RL_COMPILATION_CACHE": "off",
-                                                                  "HOME": str(off)})
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads((tmp_path / "o2.json").read_text()) == outs[0] and not off.exists()
+
+
+def test_compilation_cache_choice(tmp_path, monkeypatch):
+    """``off`` leaves the cache off and a folder already given to JAX is kept (no subprocess: the
+    choice is made before anything is configured)."""
+    from fp8rl_jax.environment import CACHE_ENV, enable_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "given"))
+        assert enable_compilation_cache(tmp_path / "mine") == tmp_path / "given"
+        assert not (tmp_path / "mine").exists()
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv(CACHE_ENV, "off")
+        assert enable_compilation_cache() is None and enable_compilation_cache("off") is None
+        assert not jax.config.jax_compilation_cache_dir
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
