@@ -89,6 +89,7 @@ class BenchConfig:
     # (vLLM's benchmark holds no trainer copy); None: ``engine``'s budget, BF16 copy kept
     kv_gib_like_vllm: tuple[float, float] | None = None
     sync_repeats: int = 5  # weight syncs timed per mode (the median is reported)
+    stall_dump_s: float = 0.0  # > 0: no progress for this long -> last progress, thread stacks, exit 3
 
 
 def _requests(w: Workload, vocab: int, seed: int):
@@ -114,8 +115,7 @@ def _memory() -> dict:
 PROGRESS_EVERY_S = 15.0  # seconds between progress lines (module constant: tests lower it)
 
 
-WATCH: StallWatchdog | None = None  # armed by main (--stall-dump-s) once the weights exist: warm-up and the runs
-STALL_DUMP_S = 0.0
+WATCH: StallWatchdog | None = None  # armed by main (stall_dump_s) once the weights compiled: warm-up and the runs
 
 
 def _beat(info: Any) -> None:
@@ -152,7 +152,7 @@ def _progress_reporter(mode: Fp8Mode, t0: float, partial) -> Any:
 def _engine_config(cfg: BenchConfig, mode: Fp8Mode) -> EngineConfig:
     ec = dataclasses.replace(cfg.engine, precision=mode)
     if cfg.kv_gib_like_vllm is not None:  # vLLM's KV pool beside weights of this precision
-        gib = cfg.kv_gib_like_vllm[mode in (Fp8Mode.W8A8, Fp8Mode.ALL)]
+        gib = cfg.kv_gib_like_vllm[mode.fp8_weights]
         ec = dataclasses.replace(ec, kv_budget_gib=gib, kv_budget_fraction=0.0, num_pages=0)
     return ec
 
@@ -243,8 +243,7 @@ def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> dic
     from fp8rl_jax.quant.policy import quantize_params
     from fp8rl_jax.rollout import vllm_backend as vb
 
-    w8 = mode in (Fp8Mode.W8A8, Fp8Mode.ALL)
-    kv = mode in (Fp8Mode.KV, Fp8Mode.ALL)
+    w8, kv = mode.fp8_weights, mode.fp8_kv
     folder = workdir / ("fp8" if w8 else "bf16")
     if not (folder / "config.json").exists():
         save_checkpoint(folder, jax.jit(quantize_params, static_argnums=1)(params, cfg.model) if w8 else params,
@@ -280,13 +279,12 @@ def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> dic
 
 def main(cfg: BenchConfig) -> dict:
     global WATCH
-    init = jax.jit(lambda k: init_params(cfg.model, k, jnp.bfloat16))
     key = jax.random.key(cfg.seed)
-    # the JAX backend builds the weights per mode (the same ones: same key), so a mode can free them
+    # compiled once; the JAX backend builds the weights per mode (the same ones: same key), so a mode can free them
+    init = jax.jit(lambda k: init_params(cfg.model, k, jnp.bfloat16)).lower(key).compile()
     params = init(key) if cfg.backend is Backend.VLLM else None
-    if STALL_DUMP_S > 0:  # not before: the random init's one compile took > 60 s for Qwen3-8B on the H200
-        jax.block_until_ready(params if params is not None else init(key))
-        WATCH = StallWatchdog(STALL_DUMP_S, name="bench_rollout")
+    if cfg.stall_dump_s > 0:  # not before: the random init's one compile took > 60 s for Qwen3-8B on the H200
+        WATCH = StallWatchdog(cfg.stall_dump_s, name="bench_rollout")
     results = {
         "environment": run_environment(),
         "model": dataclasses.asdict(cfg.model),
@@ -358,7 +356,6 @@ if __name__ == "__main__":
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     enable_compilation_cache()
-    STALL_DUMP_S = a.stall_dump_s
     vllm_cfg = None
     if Backend(a.backend) is Backend.VLLM:  # before JAX touches the GPU: the memory split and vLLM's process settings
         import os
@@ -387,4 +384,4 @@ if __name__ == "__main__":
     main(BenchConfig(model=model, workload=w, modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine,
                      backend=Backend(a.backend), vllm=vllm_cfg, out=a.out,
                      kv_gib_like_vllm=tuple(a.kv_gib_like_vllm) if a.kv_gib_like_vllm else None,
-                     sync_repeats=a.sync_repeats))
+                     sync_repeats=a.sync_repeats, stall_dump_s=a.stall_dump_s))

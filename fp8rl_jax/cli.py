@@ -83,8 +83,8 @@ def score(args: argparse.Namespace) -> int:
 
     mode = Fp8Mode(args.fp8)
     model_dir = _model_dir(args.model)
-    fp8 = mode in (Fp8Mode.W8A8, Fp8Mode.ALL)
-    fp8_kv = mode in (Fp8Mode.KV, Fp8Mode.ALL)
+    fp8 = mode.fp8_weights
+    fp8_kv = mode.fp8_kv
     try:
         ckpt = load_checkpoint(model_dir, dtype=jnp.dtype(args.dtype), fp8=fp8, check_finite=args.check_finite)
     except CheckpointError as e:
@@ -196,7 +196,7 @@ def generate(args: argparse.Namespace) -> int:
         raise CliError(f"sampling settings (--max-new-tokens, --temperature, --top-p, --top-k, --seed): {e}") from None
     try:
         ckpt = load_checkpoint(_model_dir(args.model), dtype=jnp.dtype(args.dtype),
-                               fp8=mode in (Fp8Mode.W8A8, Fp8Mode.ALL))
+                               fp8=mode.fp8_weights)
     except CheckpointError as e:
         raise CliError(str(e)) from None
     steps, page = 8, 16

@@ -5,6 +5,8 @@
 #   GPU 1: our W1 kv, then all, with the 2-warp word-gather FP8 attention config (64.4% of the copy
 #          ceiling in session 6's sweep, against 44.9% for the table's 4-warp entry) through
 #          FP8RL_PAGED_ATTENTION_TUNING: does it hold at W1 scale (sessions 5-6 stalled on one-warp configs)?
+#          (As run; that candidate table became the FP8 entry of pallas_kernels/paged_attention_tuning.json
+#          in 6ba88c7 and was removed, so a rerun drops the variable.)
 source experiments/device/env.sh
 W1="experiments/bench_rollout.py --preset qwen3_8b --workload W1 --kv-fraction 0.8 --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 90"
 (

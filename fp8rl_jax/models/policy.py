@@ -72,6 +72,14 @@ class Fp8Mode(enum.Enum):
     KV = "kv"
     ALL = "all"
 
+    @property
+    def fp8_weights(self) -> bool:
+        return self in (Fp8Mode.W8A8, Fp8Mode.ALL)
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self in (Fp8Mode.KV, Fp8Mode.ALL)
+
 
 # Contracting the activation's last axis with the weight's last axis ([out, in] layout).
 DENSE_DN = (((1,), (1,)), ((), ()))

@@ -238,7 +238,7 @@ def sync_weights(generator: Generator, params: Any, *, model_config: ModelConfig
     params = model_params(params)  # a value head (PPO) stays with the trainer
     cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
     generator.update_weights(cast)
-    if precision in (Fp8Mode.KV, Fp8Mode.ALL) and kv_calibration is KvCalibration.TRAINER:
+    if precision.fp8_kv and kv_calibration is KvCalibration.TRAINER:
         if calibration_tokens is None or calibration_lengths is None:
             raise ValueError("trainer-side KV calibration needs calibration_tokens and calibration_lengths")
         k, v = _calibrate(cast, jnp.asarray(calibration_tokens), jnp.asarray(calibration_lengths),

@@ -174,7 +174,7 @@ class EngineConfig:
 
     @property
     def fp8_kv(self) -> bool:
-        return self.precision in (Fp8Mode.KV, Fp8Mode.ALL)
+        return self.precision.fp8_kv
 
 
 @dataclasses.dataclass
@@ -226,7 +226,7 @@ class JaxEngine:
         self.heads = _head_sharding(mesh, model_config) if mesh is not None else None
         self.last_sync: dict[str, float] = {}
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
-        fp8 = config.precision in (Fp8Mode.W8A8, Fp8Mode.ALL)
+        fp8 = config.precision.fp8_weights
         block = tuple(config.fp8_block)
         # BF16 MoE experts through the Pallas grouped GEMM on one device (no VJP needed here; XLA
         # cannot partition the kernel, so a sharded engine keeps ragged_dot)
@@ -520,9 +520,9 @@ class JaxEngine:
 
     # ----------------------------------------------------------------------- validation
 
-    def _most_kv(self, r: _Request) -> int:
-        """The KV slots request ``r`` may ever need (what `_validate` checked the pool holds)."""
-        return min(len(r.prompt) + r.sampling.max_tokens, self.max_seq_len) + self.config.steps_per_call
+    def _most_kv(self, prompt_len: int, max_tokens: int) -> int:
+        """The KV slots a request may ever need (what `_validate` checks the pool holds)."""
+        return min(prompt_len + max_tokens, self.max_seq_len) + self.config.steps_per_call
 
     def _validate(self, prompts, sampling) -> list[_Request]:
         if isinstance(sampling, SamplingConfig):
@@ -545,7 +545,7 @@ class JaxEngine:
                                  f"max_seq_len {self.max_seq_len}")
             if not isinstance(s, SamplingConfig):
                 raise ValueError(f"request {i}: sampling must be a SamplingConfig, got {type(s).__name__}")
-            need = self._most_kv(_Request(i, prompt, s, ()))
+            need = self._most_kv(len(prompt), s.max_tokens)
             if need > capacity:
                 raise ValueError(f"request {i}: needs up to {need} KV slots but the pool holds {capacity} "
                                  f"({self.num_pages} pages of {self.config.page_size})")
@@ -633,26 +633,24 @@ class JaxEngine:
                 # add ``steps`` tokens before it starts); preempt the newest if not
                 ahead = steps * (2 if pending is not None else 1)
                 for slot in range(B):
-                    while slots[slot] is not None and not ensure(slot, min(int(lengths[slot]) + ahead,
-                                                                           self._most_kv(slots[slot]))):
+                    r = slots[slot]
+                    while slots[slot] is not None and not ensure(
+                            slot, min(int(lengths[slot]) + ahead, self._most_kv(len(r.prompt), r.sampling.max_tokens))):
                         victim = admitted_order[-1]
-                        r = slots[victim]
+                        out = slots[victim]
                         release(victim)
-                        r.epoch += 1  # the chunk in flight computed on for it: dropped, recomputed later
-                        queue.appendleft(r)
+                        out.epoch += 1  # the chunk in flight computed on for it: dropped, recomputed later
+                        queue.appendleft(out)
                         self._preemptions += 1
                 if any(s is not None for s in slots):
                     chunk = self._dispatch_decode(slots, page_table, lengths, pending)
+            if not self.config.overlap_host:  # read the chunk just dispatched now (nothing is in flight)
+                pending, chunk = chunk, None
             if pending is not None:
                 self._finish_decode(pending, slots, lengths)
                 self._progress(requests, len(queue), sum(s is not None for s in slots))
                 release_finished()
             pending = chunk
-            if pending is not None and not self.config.overlap_host:
-                self._finish_decode(pending, slots, lengths)
-                self._progress(requests, len(queue), sum(s is not None for s in slots))
-                release_finished()
-                pending = None
 
     # ----------------------------------------------------------------------- device calls
 
@@ -734,7 +732,7 @@ class JaxEngine:
         whose request ran in ``pending`` (same request, not preempted since) continues from the
         state ``pending`` will leave on the device (its tokens not read yet); the others start from
         the host's view (just prefilled, or idle)."""
-        B, steps = self.config.max_slots, self.config.steps_per_call
+        steps = self.config.steps_per_call
         reqs = list(slots)
         sampling, stops, remaining = self._slot_arrays(reqs)
         host_last = np.array([r.last_token if r is not None else 0 for r in reqs], np.int32)
