@@ -37,6 +37,7 @@ from flax import nnx
 from fp8rl_jax.models.attention import apply_rope, causal_mask, dot_attention, rope_cos_sin
 from fp8rl_jax.models.kv_cache import KVCache, PagedKVCache
 from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.models.fusion import FusedWeight, fused_dot
 from fp8rl_jax.models.policy import DensePolicy, MatmulPolicy, Proj, Site, matmul_precision
 
 _INIT_STD = 0.02  # HF's initializer_range for Qwen3
@@ -87,9 +88,14 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, mask, cache, num_new):
         B, T, _ = x.shape
         N, K, H = self.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).reshape(B, T, N, H)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).reshape(B, T, K, H)), cos, sin)
-        v = self.v_proj(x).reshape(B, T, K, H)
+        wq = self.q_proj.weight.get_value()
+        if isinstance(wq, FusedWeight):  # the generator's layout: [q; k; v] in one GEMM (fusion.py)
+            q, k, v = fused_dot(self.q_proj.policy, x, wq, self.q_proj.site)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(self.q_norm(q.reshape(B, T, N, H)), cos, sin)
+        k = apply_rope(self.k_norm(k.reshape(B, T, K, H)), cos, sin)
+        v = v.reshape(B, T, K, H)
         if cache is None:
             out = dot_attention(q, k, v, mask)
         else:
@@ -107,7 +113,12 @@ class MLP(nnx.Module):
         self.down_proj = lin(f, d, Site(layer, Proj.DOWN))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        wg = self.gate_proj.weight.get_value()
+        if isinstance(wg, FusedWeight):  # the generator's layout: [gate; up] in one GEMM (fusion.py)
+            g, u = fused_dot(self.gate_proj.policy, x, wg, self.gate_proj.site)
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(g) * u)
 
 
 class Experts(nnx.Module):

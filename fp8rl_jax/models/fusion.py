@@ -1,0 +1,99 @@
+"""Fused projections for the generator: q/k/v as one GEMM, MLP gate/up as one GEMM.
+
+At decode sizes (M = a few hundred rows) the separate k and v projections (N = 1024 for Qwen3-8B)
+give a GEMM only a few dozen output tiles for 132 SMs, and each projection quantizes the same
+activations again. ``fuse_params`` stores the generator's weights concatenated on the output axis,
+``[q; k; v]`` in ``q_proj.weight`` and ``[gate; up]`` in ``gate_proj.weight``, as a ``FusedWeight``
+(the concatenated weight, dense or ``QuantizedWeight``, and the static part sizes); the weights
+fused away become empty placeholders. The model (``qwen3.Attention`` / ``MLP``) sees a
+``FusedWeight`` and runs one ``policy.dot`` whose output it splits, so it stays one definition:
+this is a layout of the params, which the generator picks (``EngineConfig.fuse_projections``).
+Row-wise, the fused GEMM computes exactly the separate ones (the same K reduction per output
+column); quantized parts concatenate only when each part's rows are whole weight blocks, so the
+``scale_inv`` rows concatenate with them.
+
+Not for the trainer (gradients want the HF layout) nor a sharded generator (tensor parallelism
+splits q, k and v by heads, not the concatenation evenly).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+FUSED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+@flax.struct.dataclass
+class FusedWeight:
+    """Weights concatenated on the output axis: ``w`` [sum(sizes), in] (an array or a
+    ``QuantizedWeight``), ``sizes`` the output rows of each part, in order."""
+
+    w: Any
+    sizes: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.w.shape)
+
+
+def fused_dot(policy: Any, x: jax.Array, fw: FusedWeight, site: Any) -> list[jax.Array]:
+    """``policy.dot`` of the concatenated weight, split back into the parts' outputs."""
+    y = policy.dot(x, fw.w, site)
+    return jnp.split(y, np.cumsum(fw.sizes)[:-1].tolist(), axis=-1)
+
+
+def _placeholder(w: Any) -> jax.Array:
+    dtype = w.q.dtype if hasattr(w, "q") else w.dtype
+    return jnp.zeros((0,), dtype)
+
+
+def _concat(parts: list[Any]) -> Any | None:
+    """The parts concatenated on the output axis, or None where they cannot be (quantized parts
+    that do not end on a block row, mixed precision, other input widths)."""
+    from fp8rl_jax.quant.fp8 import QuantizedWeight  # the quant package imports the models
+
+    if any(isinstance(p, FusedWeight) for p in parts) or len({p.shape[1:] for p in parts}) != 1:
+        return None
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        bn = parts[0].block_size[0]
+        if any(p.block_size != parts[0].block_size or p.shape[0] % bn or p.q.dtype != parts[0].q.dtype
+               or p.q.ndim != 2 for p in parts):
+            return None
+        return QuantizedWeight(jnp.concatenate([p.q for p in parts]), jnp.concatenate([p.scale_inv for p in parts]),
+                               parts[0].block_size)
+    if any(isinstance(p, QuantizedWeight) for p in parts) or any(p.ndim != 2 for p in parts):
+        return None
+    if len({p.dtype for p in parts}) != 1:
+        return None
+    return jnp.concatenate(parts)
+
+
+def fuse_params(params: nnx.State) -> nnx.State:
+    """The params with q/k/v and gate/up fused wherever they can be (module docstring); jit-friendly.
+    Layers whose parts cannot be concatenated (see ``_concat``) keep them separate."""
+    flat = dict(nnx.to_flat_state(params))
+    layers = sorted({path[1] for path in flat if path[0] == "layers"})
+    for layer in layers:
+        for module, names in FUSED_GROUPS:
+            paths = [("layers", layer, module, n, "weight") for n in names]
+            if not all(p in flat for p in paths):
+                continue  # e.g. an MoE layer's mlp
+            parts = [flat[p].get_value() for p in paths]
+            fused = _concat(parts)
+            if fused is None:
+                continue
+            flat[paths[0]] = flat[paths[0]].replace(FusedWeight(fused, tuple(int(p.shape[0]) for p in parts)))
+            for p, w in zip(paths[1:], parts[1:]):
+                flat[p] = flat[p].replace(_placeholder(w))
+    return nnx.from_flat_state(list(flat.items()))
+
+
+def is_fused(params: nnx.State) -> bool:
+    """Whether any projection of ``params`` is fused."""
+    return any(isinstance(v.get_value(), FusedWeight) for _, v in nnx.to_flat_state(params))

@@ -1,0 +1,110 @@
+"""The generator's fused projection layout (``fp8rl_jax.models.fusion``): q/k/v and gate/up as one
+GEMM each, against the separate projections of the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.models import tiny_qwen3, tiny_qwen3_moe
+from fp8rl_jax.models import DensePolicy, Fp8Mode, forward, init_params
+from fp8rl_jax.models.fusion import FusedWeight, fuse_params, is_fused
+from fp8rl_jax.quant.fp8 import QuantizedWeight
+from fp8rl_jax.quant.policy import W8A8Policy, quantize_params
+from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
+from fp8rl_jax.rollout.sampling import SamplingConfig
+
+# every projection a whole number of 128-row FP8 blocks: q 256, k/v 128, gate/up 384 rows
+ALIGNED = dataclasses.replace(tiny_qwen3, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                              intermediate_size=384)
+ALIGNED_MOE = dataclasses.replace(tiny_qwen3_moe, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                                  moe_intermediate_size=128)
+
+
+def _flat(params):
+    return {tuple(p): v.get_value() for p, v in nnx.to_flat_state(params)}
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_layout(quantized):
+    params = init_params(ALIGNED, jax.random.key(0), jnp.float32)
+    src = quantize_params(params, ALIGNED) if quantized else params
+    flat, fused = _flat(src), _flat(fuse_params(src))
+    for layer in range(ALIGNED.num_layers):
+        for module, names, sizes in (("self_attn", ("q_proj", "k_proj", "v_proj"), (256, 128, 128)),
+                                     ("mlp", ("gate_proj", "up_proj"), (384, 384))):
+            head = fused[("layers", layer, module, names[0], "weight")]
+            assert isinstance(head, FusedWeight) and head.sizes == sizes
+            parts = [flat[("layers", layer, module, n, "weight")] for n in names]
+            if quantized:
+                assert isinstance(head.w, QuantizedWeight)
+                np.testing.assert_array_equal(np.asarray(head.w.q, np.float32),
+                                              np.concatenate([np.asarray(p.q, np.float32) for p in parts]))
+                np.testing.assert_array_equal(head.w.scale_inv, np.concatenate([p.scale_inv for p in parts]))
+            else:
+                np.testing.assert_array_equal(head.w, np.concatenate(parts))
+            for n in names[1:]:
+                assert fused[("layers", layer, module, n, "weight")].shape == (0,)
+        assert not isinstance(fused[("layers", layer, "self_attn", "o_proj", "weight")], FusedWeight)
+    assert is_fused(fuse_params(src)) and not is_fused(src)
+    refused = fuse_params(fuse_params(src))  # idempotent
+    assert jax.tree.structure(refused) == jax.tree.structure(fuse_params(src))
+
+
+def test_parts_that_are_not_whole_blocks_stay_separate():
+    """tiny_qwen3's q has 64 rows: half a 128-row block, so its scale rows cannot be concatenated
+    (its gate and up have 128 rows: they fuse); dense weights of the same model fuse."""
+    params = init_params(tiny_qwen3, jax.random.key(0), jnp.float32)
+    flat = _flat(fuse_params(quantize_params(params, tiny_qwen3)))
+    assert isinstance(flat[("layers", 0, "self_attn", "q_proj", "weight")], QuantizedWeight)
+    assert isinstance(flat[("layers", 0, "mlp", "gate_proj", "weight")], FusedWeight)
+    assert isinstance(_flat(fuse_params(params))[("layers", 0, "self_attn", "q_proj", "weight")], FusedWeight)
+
+
+@pytest.mark.parametrize("config", [ALIGNED, ALIGNED_MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_forward_equals_separate_projections(config, quantized):
+    params = init_params(config, jax.random.key(1), jnp.float32)
+    policy = W8A8Policy("float32") if quantized else DensePolicy("float32")
+    src = quantize_params(params, config) if quantized else params
+    tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, config.vocab_size)
+    fwd = jax.jit(lambda p, t: forward(p, t, config=config, policy=policy)[0])
+    want, got = fwd(src, tokens), fwd(fuse_params(src), tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if config is ALIGNED_MOE:  # attention fused, experts untouched
+        flat = _flat(fuse_params(src))
+        assert isinstance(flat[("layers", 0, "self_attn", "q_proj", "weight")], FusedWeight)
+        assert not any(isinstance(v, FusedWeight) for k, v in flat.items() if "experts" in k)
+
+
+def test_engine_default_and_tokens():
+    cfg1 = dataclasses.replace(ALIGNED, num_layers=1)  # compiles dominate: one layer
+    params = init_params(cfg1, jax.random.key(3), jnp.float32)
+    prompts = [[5, 6, 7, 8], list(range(9, 20)), [3] * 20]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=6, seed=4)
+    base = EngineConfig(max_slots=4, num_pages=64, max_seq_len=64, dtype="float32", steps_per_call=4)
+    for mode, default_fused in ((Fp8Mode.NONE, False), (Fp8Mode.W8A8, True)):
+        cfg = dataclasses.replace(base, precision=mode)
+        default = JaxEngine(cfg1, params, cfg)
+        assert default.fused is default_fused and is_fused(default.params) is default_fused
+        other = JaxEngine(cfg1, params, dataclasses.replace(cfg, fuse_projections=not default_fused))
+        a, b = default.generate(prompts, sampling), other.generate(prompts, sampling)
+        assert a.token_lists() == b.token_lists()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        default.update_weights(params)  # every update re-fuses
+        assert is_fused(default.params) is default_fused
+
+
+def test_engine_refuses_fusion_with_a_mesh():
+    from fp8rl_jax.parallel import MeshConfig, make_mesh
+
+    mesh = make_mesh(MeshConfig(tensor=1), jax.devices()[:1])
+    params = init_params(ALIGNED, jax.random.key(0), jnp.float32)
+    with pytest.raises(ValueError, match="fuse_projections"):
+        JaxEngine(ALIGNED, params, EngineConfig(num_pages=8, max_seq_len=32, dtype="float32", fuse_projections=True),
+                  mesh=mesh)
