@@ -165,3 +165,22 @@ def test_fp8_kv_long_context_needle():
     assert dist_1k < 0.2 and dist_8k < 0.2  # the needle dominates the float32 output
     assert err_1k < 2**-4 and err_8k < 2**-4
     assert err_8k < 1.5 * err_1k
+
+
+def test_calibration_does_not_depend_on_rows_per_pass():
+    """``calibrate_kv_scales`` runs its forward a few rows at a time (memory); padded rows add
+    nothing: the scales equal one pass over all rows, with ragged lengths (to float32 rounding:
+    other batch shapes block the matmuls differently)."""
+    from fp8rl_jax.models import calibrate_kv_scales
+
+    params = init_params(tiny_qwen3, jax.random.key(0), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(1), (6, 20), 0, tiny_qwen3.vocab_size)
+    lengths = jnp.array([20, 5, 17, 20, 1, 9])
+    run = lambda r: calibrate_kv_scales(params, tokens, lengths, config=tiny_qwen3,  # noqa: E731
+                                        policy=DensePolicy("float32"), rows_per_pass=r)
+    want = run(6)
+    for r in (1, 4):
+        for got, w in zip(run(r), want):
+            np.testing.assert_allclose(got, w, rtol=1e-6)
+    with pytest.raises(ValueError, match="rows_per_pass"):
+        run(0)
