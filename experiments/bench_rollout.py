@@ -90,6 +90,9 @@ class BenchConfig:
     kv_gib_like_vllm: tuple[float, float] | None = None
     sync_repeats: int = 5  # weight syncs timed per mode (the median is reported)
     stall_dump_s: float = 0.0  # > 0: no progress for this long -> last progress, thread stacks, exit 3
+    # vllm backend: more workloads run by the same vLLM engine after ``workload`` (one start per mode:
+    # its start, torch.compile and CUDA-graph capture, takes minutes for Qwen3-8B), as (name, workload)
+    also_workloads: tuple[tuple[str, Workload], ...] = ()
 
 
 def _requests(w: Workload, vocab: int, seed: int):
@@ -224,6 +227,7 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
         "kv_pages": engine.num_pages,
         "kv_pool_gib": engine.kv_pool_bytes / 2**30,
         "bf16_copy_freed": standalone,
+        "fused_projections": engine.fused,  # q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections)
         "full_length_sequences_that_fit": engine.sequences_that_fit,
         "preemptions": batch.preemptions,
         "roofline_step_ms_at_mean_context": step_bytes / HBM_BPS * 1e3,
@@ -232,11 +236,12 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
     }
 
 
-def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> dict:
+def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> list[dict]:
     """The same workload on ``VLLMGenerator`` (vLLM 0.26 in this process): W8A8 modes start from our
     block-FP8 checkpoint of the same random weights, the others from BF16; FP8 KV modes get
     ``kv_cache_dtype="fp8"`` with our trainer-side KV scales. The weight sync is ``update_weights``
-    (our quantization + DLPack + vLLM's in-place reload)."""
+    (our quantization + DLPack + vLLM's in-place reload), median of ``sync_repeats``. One row per
+    workload (``workload``, then ``also_workloads``, on the same engine)."""
     from fp8rl_jax.checkpoint import save_checkpoint
     from fp8rl_jax.models import calibrate_kv_scales
     from fp8rl_jax.models.policy import DensePolicy
@@ -248,33 +253,50 @@ def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> dic
     if not (folder / "config.json").exists():
         save_checkpoint(folder, jax.jit(quantize_params, static_argnums=1)(params, cfg.model) if w8 else params,
                         cfg.model)
+    workloads = ((_workload_name(cfg.workload), cfg.workload),) + tuple(cfg.also_workloads)
     vcfg = dataclasses.replace(cfg.vllm, model_path=str(folder), kv_cache_dtype="fp8" if kv else "auto",
                                start_format=vb.StartFormat.FP8_CHECKPOINT if w8 else vb.StartFormat.BF16,
-                               max_model_len=cfg.engine.max_seq_len)
+                               max_model_len=max(w.prompt_len + w.max_new for _, w in workloads))
+    t0 = time.perf_counter()
     gen = vb.VLLMGenerator(cfg.model, vcfg)
+    init_s = time.perf_counter() - t0
     prompts, sampling = _requests(cfg.workload, cfg.model.vocab_size, cfg.seed)
     gen.generate(prompts[: min(4, len(prompts))], [dataclasses.replace(s, max_tokens=4) for s in sampling[:4]])
-    t0 = time.perf_counter()
-    gen.update_weights(params)
-    if kv:
-        n = min(16, len(prompts))
-        toks = jnp.asarray(np.asarray(prompts[:n], np.int32))
-        k, v = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))(
-            params, toks, jnp.full((n,), toks.shape[1], jnp.int32), config=cfg.model,
-            policy=DensePolicy(cfg.engine.dtype))
-        gen.set_kv_scales(k, v)
-    sync_ms = (time.perf_counter() - t0) * 1e3
-    t0 = time.perf_counter()
-    batch = gen.generate(prompts, sampling)
-    wall = time.perf_counter() - t0
-    generated = int(batch.lengths.sum())
-    row = {"mode": mode.value, "backend": "vllm", "generated_tokens": generated, "wall_s": wall,
-           "tokens_per_s": generated / wall, "weight_sync_ms": sync_ms, "preemptions": batch.preemptions,
-           "vllm": {"gpu_memory_utilization": vcfg.gpu_memory_utilization, "kv_cache_dtype": vcfg.kv_cache_dtype,
-                    "start_format": vcfg.start_format.value}}
+    syncs, parts = [], []
+    for _ in range(max(1, cfg.sync_repeats) + 1):  # the first compiles the quantizer: not counted
+        t0 = time.perf_counter()
+        gen.update_weights(params)
+        if kv:
+            n = min(16, len(prompts))
+            toks = jnp.asarray(np.asarray(prompts[:n], np.int32)[:, :512])
+            k, v = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))(
+                params, toks, jnp.full((n,), toks.shape[1], jnp.int32), config=cfg.model,
+                policy=DensePolicy(cfg.engine.dtype))
+            gen.set_kv_scales(k, v)
+        syncs.append((time.perf_counter() - t0) * 1e3)
+        parts.append(dict(gen.last_sync))
+    rows = []
+    for name, w in workloads:
+        prompts, sampling = _requests(w, cfg.model.vocab_size, cfg.seed)
+        t0 = time.perf_counter()
+        batch = gen.generate(prompts, sampling)
+        wall = time.perf_counter() - t0
+        generated = int(batch.lengths.sum())
+        rows.append({"mode": mode.value, "backend": "vllm", "workload": name, "generated_tokens": generated,
+                     "wall_s": wall, "tokens_per_s": generated / wall, "weight_sync_ms": float(np.median(syncs[1:])),
+                     "weight_sync_runs_ms": syncs, "weight_sync_parts_s": parts[1:], "vllm_init_s": init_s,
+                     "preemptions": batch.preemptions,
+                     "vllm": {"gpu_memory_utilization": vcfg.gpu_memory_utilization,
+                              "kv_cache_dtype": vcfg.kv_cache_dtype, "start_format": vcfg.start_format.value,
+                              "cudagraph_capture_sizes": vcfg.cudagraph_capture_sizes}})
+        print(json.dumps(rows[-1]), flush=True)
     del gen  # run one vLLM mode per process where memory is tight: vLLM frees its pools lazily
     gc.collect()
-    return row
+    return rows
+
+
+def _workload_name(w: Workload) -> str:
+    return next((k for k, v in WORKLOADS.items() if v == w), "custom")
 
 
 def main(cfg: BenchConfig) -> dict:
@@ -301,21 +323,28 @@ def main(cfg: BenchConfig) -> dict:
                 cfg.out.parent.mkdir(parents=True, exist_ok=True)
                 cfg.out.write_text(json.dumps(dict(results, runs=results["runs"] + [row]), indent=1) + "\n")
 
-        row = (run_mode(cfg, lambda: init(key), mode, partial) if cfg.backend is Backend.JAX
-               else run_mode_vllm(cfg, params, mode, cfg.workdir))
-        results["runs"].append(row)
-        print(json.dumps(row), flush=True)
+        if cfg.backend is Backend.JAX:
+            row = run_mode(cfg, lambda: init(key), mode, partial)
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+        else:
+            results["runs"].extend(run_mode_vllm(cfg, params, mode, cfg.workdir))
         if cfg.out is not None:
             cfg.out.parent.mkdir(parents=True, exist_ok=True)
             cfg.out.write_text(json.dumps(results, indent=1) + "\n")
-    base = next((r["tokens_per_s"] for r in results["runs"] if r["mode"] == "none"), None)
+
+    def base(r):  # none's tokens/s on the same workload
+        return next((b["tokens_per_s"] for b in results["runs"]
+                     if b["mode"] == "none" and b.get("workload") == r.get("workload")), None)
+
     print("\n| mode | tokens/s | vs none | preemptions | weight sync ms | decode step ms (batch) | of HBM roofline |"
           "\n|---|---|---|---|---|---|---|")
     for r in results["runs"]:
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"
+        ratio = f"{r['tokens_per_s'] / base(r):.2f}x" if base(r) else "n/a"
         step = (f"{r['decode_step_ms']:.2f} ({r['decode_batch_mean']:.0f}) | {r['decode_hbm_fraction']:.0%}"
                 if "decode_step_ms" in r else "n/a | n/a")
-        print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} | {step} |")
+        name = r["mode"] + (f" ({r['workload']})" if "workload" in r else "")
+        print(f"| {name} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} | {step} |")
     return results
 
 
@@ -339,6 +368,8 @@ if __name__ == "__main__":
                          "--kv-gib/--kv-fraction/--kv-tokens)")
     ap.add_argument("--sync-repeats", type=int, default=BenchConfig.sync_repeats,
                     help="weight syncs (update_weights) timed per mode; the median is reported")
+    ap.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto",
+                    help="q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections; auto: FP8 weights only)")
     ap.add_argument("--no-overlap-host", action="store_true",
                     help="the synchronous host loop (EngineConfig.overlap_host=False), to measure what overlap saves")
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
@@ -349,6 +380,11 @@ if __name__ == "__main__":
                     help="vllm: the same workloads on VLLMGenerator (needs the fp8rl_jax[vllm] extra and a GPU)")
     ap.add_argument("--vllm-memory", type=float, default=0.6, help="vLLM's gpu_memory_utilization (vllm backend)")
     ap.add_argument("--jax-memory", type=float, default=0.3, help="JAX's memory fraction next to vLLM (vllm backend)")
+    ap.add_argument("--also-workloads", nargs="*", choices=sorted(WORKLOADS), default=[],
+                    help="vllm backend: more workloads on the same vLLM engine after --workload (one start per mode)")
+    ap.add_argument("--vllm-graph-sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256],
+                    help="vllm backend: decode batch sizes vLLM captures CUDA graphs for (none given: vLLM's "
+                         "default 51 sizes, ~150 s more of its start)")
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N layers of the preset (quick checks)")
     ap.add_argument("--stall-dump-s", type=float, default=0.0,
                     help="when nothing progresses (warm-up program, prefill group, decode chunk) for this many "
@@ -362,7 +398,8 @@ if __name__ == "__main__":
 
         from fp8rl_jax.rollout.vllm_backend import VLLMConfig
 
-        vllm_cfg = VLLMConfig(model_path="", gpu_memory_utilization=a.vllm_memory, jax_memory_fraction=a.jax_memory)
+        vllm_cfg = VLLMConfig(model_path="", gpu_memory_utilization=a.vllm_memory, jax_memory_fraction=a.jax_memory,
+                              cudagraph_capture_sizes=tuple(a.vllm_graph_sizes) or None)
         os.environ.update(vllm_cfg.memory_env())
     small = a.workload == "tiny"
     w = WORKLOADS[a.workload]
@@ -377,11 +414,13 @@ if __name__ == "__main__":
     if a.kv_tokens:
         sizing["num_pages"] = -(-a.kv_tokens // BenchConfig.engine.page_size)
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
-                                 max_slots=a.max_slots, overlap_host=not a.no_overlap_host, **sizing)
+                                 max_slots=a.max_slots, overlap_host=not a.no_overlap_host,
+                                 fuse_projections={"auto": None, "on": True, "off": False}[a.fuse_projections], **sizing)
     model = PRESETS[a.preset]
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)
     main(BenchConfig(model=model, workload=w, modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine,
                      backend=Backend(a.backend), vllm=vllm_cfg, out=a.out,
                      kv_gib_like_vllm=tuple(a.kv_gib_like_vllm) if a.kv_gib_like_vllm else None,
-                     sync_repeats=a.sync_repeats, stall_dump_s=a.stall_dump_s))
+                     sync_repeats=a.sync_repeats, stall_dump_s=a.stall_dump_s,
+                     also_workloads=tuple((n, WORKLOADS[n]) for n in a.also_workloads)))

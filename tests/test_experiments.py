@@ -53,8 +53,9 @@ def test_bench_rollout_kv_pool_like_vllm(tmp_path):
 def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
     """--backend vllm: each mode writes the checkpoint vLLM starts from (block FP8 for W8A8 modes,
     BF16 otherwise; our loader reads it back), starts the generator with the matching settings,
-    syncs weights (and our KV scales for FP8 KV) and times the same workload. vLLM itself needs
-    a GPU: a stand-in generator records what the benchmark asks of it."""
+    syncs weights (and our KV scales for FP8 KV) and times the same workload, then the further
+    workloads on the same engine (one start per mode). vLLM itself needs a GPU: a stand-in
+    generator records what the benchmark asks of it."""
     import numpy as np
 
     from fp8rl_jax.checkpoint import load_checkpoint
@@ -65,7 +66,9 @@ def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
 
     class FakeGenerator:
         def __init__(self, model_config, config):
-            calls.append(("start", config.start_format, config.kv_cache_dtype, load_checkpoint(config.model_path)))
+            calls.append(("start", config.start_format, config.kv_cache_dtype, load_checkpoint(config.model_path),
+                          config.max_model_len))
+            self.last_sync = {}
 
         def generate(self, prompts, sampling):
             n = [s.max_tokens for s in sampling]
@@ -74,6 +77,7 @@ def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
 
         def update_weights(self, params):
             calls.append(("update",))
+            self.last_sync = {"quantize_s": 0.0, "reload_s": 0.0}
 
         def set_kv_scales(self, k, v):
             calls.append(("kv", np.asarray(k).shape))
@@ -85,15 +89,20 @@ def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
     template = vb.VLLMConfig(model_path="", gpu_memory_utilization=0.5, jax_memory_fraction=0.3)
     res = bench.main(bench.BenchConfig(model=tiny_qwen3, workload=bench.WORKLOADS["tiny"],
                                        modes=(Fp8Mode.NONE, Fp8Mode.ALL), engine=engine, backend=bench.Backend.VLLM,
-                                       vllm=template, workdir=tmp_path / "ckpt", out=tmp_path / "r.json"))
-    assert [r["mode"] for r in res["runs"]] == ["none", "all"] and res["backend"] == "vllm"
+                                       vllm=template, workdir=tmp_path / "ckpt", out=tmp_path / "r.json",
+                                       sync_repeats=2, also_workloads=(("long", bench.Workload(3, 8, 30)),)))
+    assert [(r["mode"], r["workload"]) for r in res["runs"]] == [
+        ("none", "tiny"), ("none", "long"), ("all", "tiny"), ("all", "long")] and res["backend"] == "vllm"
     starts = [c for c in calls if c[0] == "start"]
     assert [(c[1], c[2]) for c in starts] == [(vb.StartFormat.BF16, "auto"), (vb.StartFormat.FP8_CHECKPOINT, "fp8")]
     assert starts[0][3].hf_config.get("quantization_config") is None
     assert starts[1][3].hf_config["quantization_config"]["weight_block_size"] == [128, 128]
-    assert ("kv", (tiny_qwen3.num_layers,)) in calls and calls.count(("update",)) == 2
+    assert all(c[4] == 38 for c in starts)  # max_model_len covers the longest workload
+    # per mode: one untimed sync (the quantizer's compile) + 2 timed
+    assert calls.count(("kv", (tiny_qwen3.num_layers,))) == 3 and calls.count(("update",)) == 6
     for r in res["runs"]:
         assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0 and r["backend"] == "vllm"
+        assert len(r["weight_sync_runs_ms"]) == 3
 
 
 def test_bench_gemm_says_it_needs_a_gpu(capsys):

@@ -21,15 +21,26 @@ or a BF16 folder served in BF16 (``StartFormat.BF16``, the BF16 rollout baseline
 quantized by vLLM at load time (``StartFormat.BF16_ONLINE``:
 ``quantization="fp8_per_block"``, vLLM's own quantizer, not bit-identical to ours).
 ``update_weights(params)``: (FP8_CHECKPOINT) ``quantize_params`` (our fused Pallas kernel on the
-GPU) -> ``vllm_names.export_checkpoint`` with ``to_torch_tensor`` (zero-copy DLPack views, per-expert
-slices are torch views) -> ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` on the
-in-process worker. That is vLLM 0.26's in-place reload (``v1/worker/gpu_model_runner.py``,
-``model_executor/model_loader/reload/layerwise.py``): each layer is restored to its checkpoint
-layout, loaded through the model's own ``load_weights`` (which fuses q/k/v, gate/up and the experts
-at the offsets ``vllm_table`` states), then its ``process_weights_after_loading`` is redone (the
-scale layout of the GEMM kernel, DeepGEMM/CUTLASS repacking) and copied into the original storage,
-so captured CUDA graphs stay valid. BF16 and BF16_ONLINE send the BF16 weights (BF16_ONLINE: vLLM
-requantizes them).
+GPU, jitted), then one of two ways (``WeightUpdate``):
+- RELOAD: ``vllm_names.export_checkpoint`` with ``to_torch_tensor`` (zero-copy DLPack views,
+  per-expert slices are torch views) -> ``reload_weights(weights_iterator=..., is_checkpoint_format=
+  True)`` on the in-process worker. That is vLLM 0.26's in-place reload
+  (``v1/worker/gpu_model_runner.py``, ``model_executor/model_loader/reload/layerwise.py``): each
+  layer is restored to its checkpoint layout, loaded through the model's own ``load_weights``
+  (which fuses q/k/v, gate/up and the experts at the offsets ``vllm_table`` states), then its
+  ``process_weights_after_loading`` is redone (the scale layout of the GEMM kernel) and copied into
+  the original storage, so captured CUDA graphs stay valid. Generic, and slow: ~190 ms of its own
+  for Qwen3-8B on the H200 (session 8), mostly per-layer host work.
+- DIRECT: every vLLM parameter is written in place (``copy_``, so CUDA graphs stay valid) from the
+  DLPack views, fused parts at their ``vllm_table`` offsets, in the layout vLLM keeps after
+  loading. For block FP8 that layout is decided by the linear's kernel
+  (``Fp8LinearMethod.fp8_linear``): DeepGEMM (E8M0 off) keeps the codes and transforms the scales
+  (``deepgemm_post_process_weight_scale_block``, called here on the fused scales); the other
+  block kernels on CUDA keep both (``process_fp8_weight_block_strategy``). The plan is built and
+  checked (names, shapes, the scale transform's output shape) when the generator starts; AUTO
+  uses RELOAD instead where it does not hold (another kernel, MoE experts, BF16_ONLINE), and
+  ``weight_update_path`` says which ran. The live test checks that both give the same tokens.
+BF16 and BF16_ONLINE send the BF16 weights (BF16_ONLINE: vLLM requantizes them, RELOAD only).
 
 KV scales: ``set_kv_scales(k, v)`` writes our per-layer scales (``calibrate_kv_scales``: dequant
 multipliers, ``x ~= q * s``, the convention of vLLM's ``_k_scale``) into every attention layer's
@@ -52,8 +63,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +77,8 @@ from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.quant.policy import LayerPolicy, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingConfig
-from fp8rl_jax.rollout.vllm_names import export_checkpoint, to_torch_tensor, vllm_table
+from fp8rl_jax.checkpoint.hf import SCALE_SUFFIX
+from fp8rl_jax.rollout.vllm_names import export_checkpoint, flat_leaves, source_arrays, to_torch_tensor, vllm_table
 
 SUPPORTED_VLLM = "0.26"
 INSTALL_HINT = "pip install 'fp8rl_jax[vllm]'"
@@ -89,6 +103,14 @@ class StartFormat(enum.Enum):
     FP8_CHECKPOINT = "fp8_checkpoint"  # our block-FP8 folder; updates send our FP8 codes + scales
     BF16_ONLINE = "bf16_online"  # a BF16 folder, quantization="fp8_per_block"; updates send BF16
     BF16 = "bf16"  # a BF16 folder served in BF16 (the BF16 rollout baseline); updates send BF16
+
+
+class WeightUpdate(enum.Enum):
+    """How ``update_weights`` puts new weights into vLLM (module docstring, Weights)."""
+
+    AUTO = "auto"  # DIRECT where this module knows the layout vLLM keeps, else RELOAD
+    DIRECT = "direct"  # copy into vLLM's live parameters in their kernel layout (dense Qwen3)
+    RELOAD = "reload"  # vLLM's layerwise reload_weights of the checkpoint-format tensors
 
 
 class SleepLevel(enum.Enum):
@@ -118,6 +140,9 @@ class VLLMConfig:
       logprobs_mode: vLLM's logprob mode (PROCESSED matches ours for non-truncating requests).
       layer_policy: what ``update_weights`` quantizes; must match the checkpoint vLLM started from.
       seed: vLLM's engine seed (requests carry their own seeds).
+      cudagraph_capture_sizes: decode batch sizes vLLM captures CUDA graphs for (None: vLLM's
+        default, 51 sizes up to 512, ~150 s of its start for Qwen3-8B on the H200).
+      weight_update: DIRECT copies (the fast path), RELOAD (vLLM's own machinery), or AUTO.
     """
 
     model_path: str
@@ -132,6 +157,8 @@ class VLLMConfig:
     logprobs_mode: LogprobsMode = LogprobsMode.PROCESSED
     layer_policy: LayerPolicy = dataclasses.field(default_factory=LayerPolicy)
     seed: int = 0
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    weight_update: WeightUpdate = WeightUpdate.AUTO
 
     def __post_init__(self) -> None:
         for name in ("gpu_memory_utilization", "jax_memory_fraction", "headroom"):
@@ -149,6 +176,9 @@ class VLLMConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)):
+            raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
 
     def memory_env(self) -> dict[str, str]:
         """The environment to set before JAX initializes the GPU (and before vLLM is imported)."""
@@ -163,9 +193,12 @@ class VLLMConfig:
             "max_model_len": self.max_model_len, "enforce_eager": self.enforce_eager,
             "enable_sleep_mode": self.sleep is not SleepLevel.OFF, "logprobs_mode": self.logprobs_mode.value,
             "enable_prefix_caching": False,  # a prefix cached under old weights must not serve new ones
+            "skip_tokenizer_init": True,  # token ids in, token ids out: no tokenizer (our checkpoints may have none)
         }
         if self.start_format is StartFormat.BF16_ONLINE:
             kw["quantization"] = "fp8_per_block"
+        if self.cudagraph_capture_sizes is not None and not self.enforce_eager:
+            kw["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(self.cudagraph_capture_sizes))}
         return kw
 
 
@@ -286,6 +319,18 @@ class VLLMGenerator:
         self.config = config
         self.llm = self.vllm.LLM(**config.llm_kwargs())
         self._asleep = False
+        self._quantize = jax.jit(functools.partial(quantize_params, config=model_config,
+                                                   layer_policy=config.layer_policy))
+        self.last_sync: dict[str, float] = {}  # seconds of the last update_weights, by part
+        self._direct, self.weight_update_reason = None, ""
+        if config.weight_update is not WeightUpdate.RELOAD:
+            try:
+                self._direct, self.weight_update_reason = self._direct_plan()
+            except Exception as e:  # noqa: BLE001 - vLLM internals moved: AUTO falls back, DIRECT says why
+                self._direct, self.weight_update_reason = None, f"planning failed: {type(e).__name__}: {e}"
+            if self._direct is None and config.weight_update is WeightUpdate.DIRECT:
+                raise RuntimeError(f"WeightUpdate.DIRECT is not possible here: {self.weight_update_reason}")
+        self.weight_update_path = WeightUpdate.DIRECT if self._direct is not None else WeightUpdate.RELOAD
         self._check_names()
 
     def _model(self) -> Any:
@@ -323,19 +368,94 @@ class VLLMGenerator:
             self._asleep = True
         return rollout_batch(outs, self.config.max_model_len, [len(p) for p in prompts])
 
-    def update_weights(self, params: Any) -> None:
-        """Quantizes (FP8_CHECKPOINT) and streams the weights into vLLM (module docstring)."""
+    def update_weights(self, params: Any, via: WeightUpdate | None = None) -> None:
+        """Quantizes (FP8_CHECKPOINT) and puts the weights into vLLM (module docstring, Weights);
+        ``via`` forces RELOAD (or DIRECT, where its plan exists) for this call: tests, benchmarks."""
+        if via is WeightUpdate.DIRECT and self._direct is None:
+            raise RuntimeError(f"WeightUpdate.DIRECT is not possible here: {self.weight_update_reason}")
+        direct = self._direct is not None and via is not WeightUpdate.RELOAD
+        t0 = time.perf_counter()
         if self.config.start_format is StartFormat.FP8_CHECKPOINT:
-            params = quantize_params(params, self.model_config, self.config.layer_policy)
-        table = vllm_table(self.model_config, params)
+            params = self._quantize(params)
         jax.block_until_ready(params)  # the torch side reads the buffers on its own stream
+        t1 = time.perf_counter()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
-        weights = export_checkpoint(self.model_config, table, params, convert=to_torch_tensor)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if direct:
+            self._copy_direct(params)
+        else:
+            table = vllm_table(self.model_config, params)
+            weights = export_checkpoint(self.model_config, table, params, convert=to_torch_tensor)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+        _torch_synchronize()  # before the JAX buffers the copies read can be freed
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
+        # seconds: our quantization (FP8_CHECKPOINT), then handing the weights to vLLM (either path)
+        self.last_sync = {"quantize_s": t1 - t0, "load_s": time.perf_counter() - t1, "direct": float(direct)}
+
+    def _direct_plan(self) -> tuple[list | None, str]:
+        """``[(VllmTensor, live torch parameter, scale transform or None)]`` for DIRECT updates, or
+        (None, why not). Checked against the live model: every table name exists, dense and code
+        tensors have the table's shape (an embedding may be padded past the vocabulary), and each
+        scale transform maps the table's scale shape onto the parameter's."""
+        if self.config.start_format is StartFormat.BF16_ONLINE:
+            return None, "BF16_ONLINE: vLLM quantizes the BF16 weights itself"
+        if self.model_config.num_experts:
+            return None, "MoE experts: vLLM repacks them after loading"
+        import torch
+
+        from fp8rl_jax.rollout.vllm_names import abstract_quantized_params
+
+        quantized = self.config.start_format is StartFormat.FP8_CHECKPOINT
+        abstract = abstract_quantized_params(self.model_config, self.config.layer_policy if quantized else None)
+        model = self._model()
+        live, modules = dict(model.named_parameters()), dict(model.named_modules())
+        plan = []
+        for t in vllm_table(self.model_config, abstract):
+            p = live.get(t.name)
+            if p is None:
+                return None, f"vLLM has no parameter {t.name}"
+            transform = None
+            if t.name.endswith(SCALE_SUFFIX):
+                module = modules.get(t.name.rsplit(".", 1)[0])
+                transform, why = scale_transform(module)
+                if why:
+                    return None, f"{t.name}: {why}"
+                if transform is not None:
+                    weight_shape = tuple(live[t.name[: -len(SCALE_SUFFIX)]].shape)
+                    probe = transform(torch.ones(t.shape, dtype=torch.float32, device=p.device), weight_shape)
+                    if tuple(probe.shape) != tuple(p.shape):
+                        return None, f"{t.name}: the scale layout {tuple(probe.shape)} != vLLM's {tuple(p.shape)}"
+                    plan.append((t, p, functools.partial(transform, weight_shape=weight_shape)))
+                    continue
+            padded = (t.name in ("model.embed_tokens.weight", "lm_head.weight") and p.ndim == 2
+                      and p.shape[0] >= t.shape[0] and p.shape[1] == t.shape[1])  # vocabulary padding
+            if tuple(p.shape) != t.shape and not padded:
+                return None, f"{t.name}: vLLM's shape {tuple(p.shape)} != the table's {t.shape}"
+            plan.append((t, p, None))
+        return plan, ""
+
+    def _copy_direct(self, params: Any) -> None:
+        """DIRECT update (module docstring): in-place copies into vLLM's parameters."""
+        import torch
+
+        leaves = flat_leaves(params)
+        with torch.no_grad():
+            for t, p, transform in self._direct:
+                parts = [to_torch_tensor(a) for a in source_arrays(t, leaves)]
+                if transform is not None:  # FP8 scales in the kernel's layout
+                    p.data.copy_(transform(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)))
+                elif len(parts) == 1:
+                    part = parts[0]
+                    (p.data if tuple(p.shape) == tuple(part.shape) else p.data[: part.shape[0]]).copy_(part)
+                else:  # fused on the output axis, at the table's offsets
+                    off = 0
+                    for part in parts:
+                        n = part.shape[-2]
+                        p.data[..., off:off + n, :].copy_(part)
+                        off += n
 
     def set_kv_scales(self, k_scale: Any, v_scale: Any) -> None:
         """Trainer-side FP8 KV scales ([L] float32 each) into every attention layer of vLLM."""
@@ -347,6 +467,56 @@ class VLLMGenerator:
         layers = kv_scale_targets(self._model(), L)
         for i, attn in enumerate(layers):
             write_kv_scale(attn, float(k[i]), float(v[i]))
+
+    def read_kv_scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V scales ([L] float32 each) vLLM's attention layers hold now (device buffers)."""
+        layers = kv_scale_targets(self._model(), self.model_config.num_layers)
+        return (np.array([float(a._k_scale.reshape(-1)[0]) for a in layers], np.float32),
+                np.array([float(a._v_scale.reshape(-1)[0]) for a in layers], np.float32))
+
+
+def _torch_synchronize() -> None:
+    """Waits for vLLM's work on the GPU (the reload's copies run on torch's stream)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def scale_transform(module: Any) -> tuple[Any, str]:
+    """For a block-FP8 linear of vLLM 0.26: (the function that turns our fused [rows, cols] float32
+    scales into the layout its kernel keeps, or None if it keeps ours; "" ) or (None, why DIRECT
+    cannot write it). The function takes the scales and the weight's shape."""
+    method = getattr(module, "quant_method", None)
+    kernel = getattr(method, "fp8_linear", None)
+    if kernel is None:
+        return None, f"no block-FP8 kernel on {type(module).__name__} ({type(method).__name__})"
+    names = {c.__name__ for c in type(kernel).__mro__}
+    if type(kernel).__name__ == "DeepGemmFp8BlockScaledMMKernel":
+        if getattr(kernel, "use_deep_gemm_e8m0", True):
+            return None, "DeepGEMM with E8M0 scales requantizes the weights (set VLLM_USE_DEEP_GEMM_E8M0=0)"
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_weight_scale_block
+
+        block = tuple(module.weight_block_size)
+
+        def deepgemm(ws, weight_shape):  # deepgemm_post_process_fp8_weight_block, 2-D weight, E8M0 off
+            return deepgemm_post_process_weight_scale_block(
+                ws=ws.unsqueeze(0), mn=weight_shape[0], k=weight_shape[1], quant_block_shape=block,
+                num_groups=1).squeeze(0)
+
+        return deepgemm, ""
+    base = "Fp8BlockScaledMMLinearKernel"
+    if base in names and _inherits_process(type(kernel), base):
+        return None, ""  # process_fp8_weight_block_strategy: the identity on CUDA
+    return None, f"kernel {type(kernel).__name__}: its scale layout is not known here"
+
+
+def _inherits_process(cls: type, base: str) -> bool:
+    """Whether ``cls`` takes ``process_weights_after_loading`` from the class named ``base``."""
+    for c in cls.__mro__:
+        if "process_weights_after_loading" in c.__dict__:
+            return c.__name__ == base
+    return False
 
 
 def kv_scale_targets(model: Any, num_layers: int) -> list[Any]:

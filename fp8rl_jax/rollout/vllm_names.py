@@ -68,8 +68,8 @@ from fp8rl_jax.quant.policy import Kernels, LayerPolicy, quantize_params
 Path = tuple[str | int, ...]
 
 __all__ = ["Field", "Source", "VllmLayoutError", "VllmTensor", "abstract_quantized_params", "check_table",
-           "expected_vllm_params", "export_checkpoint", "export_fused", "flat_leaves", "to_torch", "to_torch_tensor",
-           "vllm_table"]
+           "expected_vllm_params", "export_checkpoint", "export_fused", "flat_leaves", "source_arrays", "to_torch",
+           "to_torch_tensor", "vllm_table"]
 
 
 class VllmLayoutError(ValueError):
@@ -309,6 +309,11 @@ def check_table(table: list[VllmTensor], params: nnx.State | Mapping,
 def _array(leaves: dict[Path, Any], s: Source) -> jax.Array:
     leaf = leaves[s.path]
     return leaf.q if s.field is Field.CODES else leaf.scale_inv if s.field is Field.SCALES else leaf
+
+
+def source_arrays(t: VllmTensor, leaves: Mapping[Path, Any]) -> list[jax.Array]:
+    """The arrays of ``t``'s sources, in order (``leaves``: ``flat_leaves(params)``)."""
+    return [_array(leaves, s) for s in t.sources]
 
 
 def export_fused(table: list[VllmTensor], params: nnx.State | Mapping) -> dict[str, jax.Array]:
