@@ -81,6 +81,7 @@ import argparse
 import dataclasses
 import enum
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -215,6 +216,15 @@ DECODE_SWEEP_CONFIGS = (
 # Measured tuning (``main --tuning-out``): per device kind, the fastest config of each (M bucket, N,
 # K) timed on it. `default_config` uses an entry only on the device kind it was measured on.
 TUNING_FILE = Path(__file__).with_name("fp8_gemm_mgpu_tuning.json")
+
+
+def merged_tuning(path: Path, entries: list[dict]) -> list[dict]:
+    """The tuning table at ``path`` with ``entries`` replacing those of the same (device kind, M
+    bucket, N, K); entries of other shapes and device kinds are kept."""
+    key = lambda e: (e["device_kind"], int(e["m_bucket"]), int(e["n"]), int(e["k"]))  # noqa: E731
+    new = {key(e) for e in entries}
+    old = json.loads(path.read_text()).get("entries", []) if path.exists() else []
+    return [e for e in old if key(e) not in new] + list(entries)
 
 
 def _m_bucket(m: int) -> int:
@@ -550,8 +560,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             if args.out:
                 write_results(args.out, results)
-    if args.tuning_out:
-        write_tuning(args.tuning_out, entries)
+            if args.tuning_out:  # after every shape: a run cut by its time limit keeps what it measured
+                write_tuning(args.tuning_out, merged_tuning(TUNING_FILE, entries))
     if args.out:
         print(f"wrote {args.out}")
     return 0

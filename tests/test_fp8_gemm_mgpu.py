@@ -251,3 +251,19 @@ def test_tuning_table_lookup(tmp_path, monkeypatch):
         assert G.default_config(256, 4096) == G.DECODE_CONFIG  # no K: no lookup
     finally:
         G._tuning.cache_clear()
+
+
+def test_merged_tuning_replaces_measured_shapes_only(tmp_path):
+    import json
+
+    def entry(kind, m, n, k, ms):
+        return {"device_kind": kind, "m_bucket": m, "n": n, "k": k, "config": {}, "ms": ms}
+
+    path = tmp_path / "t.json"
+    old = [entry("H200", 256, 4096, 4096, 1.0), entry("H200", 256, 1024, 4096, 2.0), entry("H100", 256, 4096, 4096, 3.0)]
+    path.write_text(json.dumps({"entries": old}))
+    new = [entry("H200", 256, 4096, 4096, 0.5), entry("H200", 256, 6144, 4096, 0.7)]
+    merged = G.merged_tuning(path, new)
+    assert sorted((e["device_kind"], e["n"], e["ms"]) for e in merged) == [
+        ("H100", 4096, 3.0), ("H200", 1024, 2.0), ("H200", 4096, 0.5), ("H200", 6144, 0.7)]
+    assert G.merged_tuning(tmp_path / "absent.json", new) == new
