@@ -48,13 +48,20 @@ Kernel structure (after jax's ``hopper_matmul_mgpu``, Lane semantics):
   persistent loop runs over (tile, split) pairs, each split a contiguous range
   of K blocks with its own pipeline; partials are written in float32
   ``[k_splits, M, N]`` and summed by XLA before the one cast to ``out_dtype``.
+* Clusters (``cluster_n`` = 2, for decode shapes): pairs of CTAs side by side
+  along N form a cluster; the A tile (all the CTA's rows of the activations, the
+  same for both) arrives by one TMA multicast (``collective_axes=("cluster",)``
+  on its BlockSpec), halving A's L2 -> SM traffic, which at M = 256 is most of
+  the bytes a CTA reads (1 MB of A against 0.25-0.5 MB of B for K = 4096). The
+  persistent loop runs over cluster tiles (grid ``num_sms / 2`` clusters).
+  Interpret-tested and CUDA-lowered on the CPU; not yet timed on the H200.
 * Epilogue: cast to ``out_dtype`` in registers, store to 128-byte-swizzled
   SMEM, TMA-store to GMEM (the next tile's epilogue waits for the previous
   store to have read the SMEM).
 
 Limits: E4M3 only; out bf16, f16 or f32. ``K % 128 == 0`` and ``N`` a multiple
-of the CTA tile width (``tile_n``, or ``2*tile_n`` when the warpgroups split N)
-are required; the wrapper rejects other shapes with an error that names
+of the CTA tile width (``tile_n``, or ``2*tile_n`` when the warpgroups split N;
+times ``cluster_n``) are required; the wrapper rejects other shapes with an error that names
 `pallas_kernels.fp8_gemm.fp8_gemm` (masked edges) as the fallback, because
 padding B would copy the weight on every call. ``M`` is arbitrary: the wrapper
 zero-pads A and a_scale to a multiple of the CTA tile height (a copy of A only
@@ -137,6 +144,11 @@ class MgpuGemmConfig:
         ranges of K blocks (separate tiles of the persistent loop), written in float32 and summed
         by XLA, then cast. For decode-sized M with few output tiles (M = 256, N = 1024: 32 CTA
         tiles for 132 SMs) it gives the SMs work; costs one float32 [k_splits, M, N] round trip.
+      cluster_n: 1, or 2: pairs of CTAs side by side along N form a cluster and receive the A tile
+        (the activations, the same for both) by one TMA multicast, halving A's L2 -> SM traffic.
+        At decode sizes each CTA holds all M rows and re-reads the whole activation (1 MB at
+        M = 256, K = 4096) for a 64-128 column slice of B: that read, not the tensor cores, sets
+        the time (the DeepGEMM / CUTLASS remedy). N must be a multiple of 2 CTA tiles.
     """
 
     tile_m: int = 64
@@ -147,6 +159,7 @@ class MgpuGemmConfig:
     grid_tile_width: int = 1
     num_sms: int | None = None
     k_splits: int = 1
+    cluster_n: int = 1
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -164,6 +177,8 @@ class MgpuGemmConfig:
             raise ValueError(f"MgpuGemmConfig.num_sms must be None or a positive int, got {self.num_sms!r}")
         if not isinstance(self.k_splits, int) or self.k_splits < 1:
             raise ValueError(f"MgpuGemmConfig.k_splits must be a positive int, got {self.k_splits!r}")
+        if self.cluster_n not in (1, 2):
+            raise ValueError(f"MgpuGemmConfig.cluster_n must be 1 or 2, got {self.cluster_n!r}")
 
     @property
     def cta_tile_m(self) -> int:
@@ -172,6 +187,11 @@ class MgpuGemmConfig:
     @property
     def cta_tile_n(self) -> int:
         return self.tile_n * (2 if self.wg_dimension == MatmulDimension.N else 1)
+
+    @property
+    def cluster_tile_n(self) -> int:
+        """Output columns of one cluster (``cluster_n`` CTAs side by side along N)."""
+        return self.cta_tile_n * self.cluster_n
 
     def smem_bytes(self, out_dtype) -> int:
         """Shared memory the kernel allocates: pipeline stages (A, B, scale row) + epilogue buffers
@@ -211,6 +231,13 @@ DECODE_SWEEP_CONFIGS = (
     MgpuGemmConfig(64, 64, MatmulDimension.N, 6, k_splits=4),
     MgpuGemmConfig(64, 64, MatmulDimension.M, 6, k_splits=4),
     MgpuGemmConfig(128, 64, MatmulDimension.M, 3, k_splits=4),
+    # clusters of 2 CTAs along N sharing the activation tile (TMA multicast): each CTA of these holds
+    # all 256 rows and re-read the 1 MB activation from L2 for 64-128 columns (session 8: the fused
+    # q/k/v GEMM ran at XLA BF16's speed)
+    MgpuGemmConfig(128, 64, MatmulDimension.M, 4, cluster_n=2),
+    MgpuGemmConfig(128, 64, MatmulDimension.M, 3, cluster_n=2),
+    MgpuGemmConfig(64, 128, MatmulDimension.M, 4, cluster_n=2),
+    MgpuGemmConfig(128, 64, MatmulDimension.M, 3, k_splits=4, cluster_n=2),
 )
 
 # Measured tuning (``main --tuning-out``): per device kind, the fastest config of each (M bucket, N,
@@ -250,7 +277,7 @@ def default_config(m: int, n: int, k: int | None = None) -> MgpuGemmConfig:
     CTAs (64 x 256) up to M = 2048 when N allows, else M-split 128 x 128."""
     if k is not None:
         tuned = _tuning(_device_kind()).get((_m_bucket(m), n, k))
-        if tuned is not None and n % tuned.cta_tile_n == 0:
+        if tuned is not None and n % tuned.cluster_tile_n == 0:
             return tuned
     if m <= 2048 and n % DECODE_CONFIG.cta_tile_n == 0:
         return DECODE_CONFIG
@@ -270,7 +297,7 @@ def supports(m: int, n: int, k: int, config: MgpuGemmConfig | None = None) -> bo
     least ``MIN_K_BLOCKS`` blocks (split evenly by ``k_splits``), N a multiple of the CTA tile width."""
     config = default_config(m, n, k) if config is None else config
     return (k % BK == 0 and k >= MIN_K_BLOCKS * BK and (k // BK) % config.k_splits == 0
-            and n % config.cta_tile_n == 0)
+            and n % config.cluster_tile_n == 0)
 
 
 def _num_sms(config: MgpuGemmConfig) -> int:
@@ -290,7 +317,9 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
     tile_m, tile_n = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
     splits = config.k_splits
-    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // BK // splits  # k_iters: K blocks per split
+    clustered = config.cluster_n > 1
+    # n_iters: clusters of cluster_n CTAs along N; k_iters: K blocks per split
+    m_iters, n_iters, k_iters = m // cta_m, n // (cta_n * config.cluster_n), k // BK // splits
     split_m = config.wg_dimension == MatmulDimension.M
     stages = min(config.max_concurrent_steps, k_iters)  # the pipeline needs stages <= steps
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -301,7 +330,9 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
             grid=(k_iters,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((cta_m, BK), lambda kb: (0, kb), transforms=_OPERAND_TRANSFORMS),
+                # A: the same rows for every CTA of a cluster, so one TMA multicast feeds them all
+                plgpu.BlockSpec((cta_m, BK), lambda kb: (0, kb), transforms=_OPERAND_TRANSFORMS,
+                                collective_axes=("cluster",) if clustered else ()),
                 plgpu.BlockSpec((cta_n, BK), lambda kb: (0, kb), transforms=_OPERAND_TRANSFORMS),
                 plgpu.BlockSpec((None, cta_m), lambda kb: (kb, 0)),
             ],
@@ -321,11 +352,13 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
     def _scope(allocs):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * n_iters * splits,), collective_axes="sm")
+        @plgpu.nd_loop((m_iters * n_iters * splits,), collective_axes="cluster_grid" if clustered else "sm")
         def _tile_loop(info: plgpu.NDLoopInfo):
             (lin,) = info.index
             ks, lin = lax.rem(lin, splits), lax.div(lin, splits)  # the splits of a tile run side by side
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), config.grid_minor_dim, config.grid_tile_width)
+            if clustered:  # this CTA's column tile within its cluster's
+                ni = ni * config.cluster_n + lax.axis_index("cluster")
             k0 = ks * k_iters  # this split's first K block
             out_ref = out_gmem.at[ks] if splits > 1 else out_gmem
             cta_m_slice = pl.ds(mi * cta_m, cta_m)
@@ -373,19 +406,22 @@ def _call(a, as_t, b, b_scale_inv, out_dtype, config: MgpuGemmConfig, interpret)
     m = a.shape[0]
     n = b.shape[0]
     splits = config.k_splits
-    tiles = (m // config.cta_tile_m) * (n // config.cta_tile_n) * splits
+    tiles = (m // config.cta_tile_m) * (n // config.cluster_tile_n) * splits  # per cluster of cluster_n CTAs
     if splits > 1:  # float32 partials, summed below
         out_dtype, out_shape = jnp.float32, (splits, m, n)
     else:
         out_shape = (m, n)
     out_itemsize = jnp.dtype(out_dtype).itemsize
     out_transforms = (plgpu.TilingTransform((8, _SWIZZLE // out_itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    cn = config.cluster_n
+    grid = dict(grid=(min(_num_sms(config) // cn, tiles),), grid_names=("cluster_grid",), cluster=(cn,),
+                cluster_names=("cluster",)) if cn > 1 else dict(grid=(min(_num_sms(config), tiles),),
+                                                                 grid_names=("sm",))
     f = plgpu.kernel(
         functools.partial(_kernel, config=config),
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=[plgpu.SMEM((2, config.tile_m, config.tile_n), out_dtype, transforms=out_transforms)],
-        grid=(min(_num_sms(config), tiles),),
-        grid_names=("sm",),
+        **grid,
         num_threads=3,
         thread_name="wg",
         interpret=interpret,
@@ -434,7 +470,7 @@ def fp8_gemm_mgpu(
       a: float8_e4m3fn ``[M, K]`` activations (any M).
       a_scale: float32 ``[M, K/128]`` per-token 1x128 dequantization scales.
       b: float8_e4m3fn ``[N, K]`` weight (out_features, in_features); ``K % 128 == 0`` and
-        ``N % config.cta_tile_n == 0``.
+        ``N % config.cluster_tile_n == 0``.
       b_scale_inv: float32 ``[N/128, K/128]`` 128x128 block scales.
       out_dtype: bfloat16 (default), float16 or float32.
       config: tiling (`MgpuGemmConfig`); None picks `default_config(M, N, K)`.
@@ -457,8 +493,8 @@ def fp8_gemm_mgpu(
     if (k // BK) % config.k_splits:
         raise ValueError(f"fp8_gemm_mgpu with k_splits={config.k_splits} needs K / {BK} = {k // BK} blocks to "
                          "divide evenly among the splits")
-    if n % config.cta_tile_n:
-        raise ValueError(f"fp8_gemm_mgpu needs N % {config.cta_tile_n} == 0 (the CTA tile width of {config}), "
+    if n % config.cluster_tile_n:
+        raise ValueError(f"fp8_gemm_mgpu needs N % {config.cluster_tile_n} == 0 (CTA tile width x cluster_n of {config}), "
                          f"got N={n}; pick a config with a smaller tile_n / wg_dimension=M, or use "
                          "pallas_kernels.fp8_gemm.fp8_gemm")
     smem = config.smem_bytes(out_dtype)
@@ -523,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"M": m, "N": n, "K": k, "input_sets": R, "configs": []}
             best = None
             for cfg in configs:
-                if n % cfg.cta_tile_n:
+                if n % cfg.cluster_tile_n:
                     continue
                 try:
                     # bf16 out (what is timed): some sweep configs do not fit f32 epilogue buffers in SMEM.

@@ -33,6 +33,11 @@ TILE_M_128 = MgpuGemmConfig(tile_m=128, tile_n=128, wg_dimension=MatmulDimension
 DECODE_256x64 = MgpuGemmConfig(tile_m=128, tile_n=64, wg_dimension=MatmulDimension.M, max_concurrent_steps=3, num_sms=2)
 SPLIT_K3 = MgpuGemmConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N, max_concurrent_steps=2, num_sms=3,
                           k_splits=3)
+# clusters of 2 CTAs along N sharing the A tile by TMA multicast (num_sms=4: 2 clusters)
+CLUSTER_DECODE = dataclasses.replace(DECODE_256x64, num_sms=4, cluster_n=2)
+CLUSTER_N_SPLIT = MgpuGemmConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N, max_concurrent_steps=2,
+                                 num_sms=4, cluster_n=2, grid_tile_width=2)
+CLUSTER_SPLIT_K = dataclasses.replace(CLUSTER_N_SPLIT, k_splits=2, grid_tile_width=1)
 
 
 def _operands(m: int, n: int, k: int, seed: int):
@@ -74,6 +79,9 @@ class TestInterpret:
             (128, 256, 256, TILE_M_128),  # tile_m=128 (two wgmma M=64 halves per warpgroup)
             (256, 128, 384, DECODE_256x64),  # CTA 256 x 64: every decode row in one CTA, weight read once
             (72, 256, 768, SPLIT_K3),  # split-K: 3 x 2 K blocks per tile, 6 tile-splits on 3 CTAs, partial M
+            (256, 512, 384, CLUSTER_DECODE),  # 4 CTA columns = 2 clusters of 2 sharing A (multicast)
+            (200, 768, 256, CLUSTER_N_SPLIT),  # 3 cluster columns x 2 M tiles on 2 clusters, partial M
+            (64, 512, 512, CLUSTER_SPLIT_K),  # clusters with split-K
         ],
     )
     def test_f32_matches_reference(self, m, n, k, config):
@@ -110,7 +118,8 @@ class TestGpu(TestInterpret):
     def test_f32_matches_reference(self, m, n, k):  # real sizes, default config
         self.check(m, n, k, None, seed=m + n + k)
 
-    @pytest.mark.parametrize("config", G.SWEEP_CONFIGS, ids=str)
+    @pytest.mark.parametrize("config", G.SWEEP_CONFIGS + tuple(c for c in G.DECODE_SWEEP_CONFIGS if c.cluster_n > 1),
+                             ids=str)
     def test_sweep_configs(self, config):
         self.check(512, 1024, 1024, dataclasses.replace(config, num_sms=None), out_dtype=jnp.bfloat16)
 
@@ -181,6 +190,10 @@ def test_rejects_bad_config_and_flags():
         MgpuGemmConfig(wg_dimension="M")
     with pytest.raises(ValueError, match="k_splits must be a positive int"):
         MgpuGemmConfig(k_splits=0)
+    with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
+        MgpuGemmConfig(cluster_n=4)
+    with pytest.raises(ValueError, match=r"N % 256 == 0 .*got N=128"):  # a cluster of two 128-wide CTA tiles
+        fp8_gemm_mgpu(*_valid(n=128), config=dataclasses.replace(M_SPLIT, cluster_n=2))
     with pytest.raises(ValueError, match="shared memory"):
         fp8_gemm_mgpu(*_valid(), config=MgpuGemmConfig(tile_m=128, max_concurrent_steps=8))
     with pytest.raises(ValueError, match="config must be a MgpuGemmConfig"):
@@ -200,6 +213,7 @@ def test_default_config_choice():
     assert not G.supports(64, 4096, 4000)  # K not a multiple of 128
     assert not G.supports(4096, 200, 4096)  # N not a multiple of the 128-wide CTA tile
     assert G.supports(256, 128, 128) and not G.supports(256, 128, 200)  # K blocks of 128 only
+    assert not G.supports(256, 128, 128, dataclasses.replace(M_SPLIT, cluster_n=2))  # N covers no cluster
     for cfg in G.SWEEP_CONFIGS + G.DECODE_SWEEP_CONFIGS:  # the benchmark sweeps fit in shared memory (bf16 out)
         assert cfg.smem_bytes(jnp.bfloat16) <= G._SMEM_BYTES
 
@@ -267,3 +281,18 @@ def test_merged_tuning_replaces_measured_shapes_only(tmp_path):
     assert sorted((e["device_kind"], e["n"], e["ms"]) for e in merged) == [
         ("H100", 4096, 3.0), ("H200", 1024, 2.0), ("H200", 4096, 0.5), ("H200", 6144, 0.7)]
     assert G.merged_tuning(tmp_path / "absent.json", new) == new
+
+
+@pytest.mark.parametrize("config", [c for c in G.DECODE_SWEEP_CONFIGS if c.cluster_n > 1], ids=str)
+def test_cluster_configs_lower_for_cuda(config):
+    """The clustered (TMA multicast) decode configs pass the Mosaic GPU lowering for CUDA on the CPU
+    (layouts, cluster barriers, shared memory) at the fused q/k/v shape; PTX and timing need the H200."""
+    import functools
+
+    m, n, k = 256, 6144, 4096
+    args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
+            jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n // 128, k // 128), jnp.float32))
+    f = jax.jit(functools.partial(G._fp8_gemm_mgpu, out_dtype=jnp.bfloat16,
+                                  config=dataclasses.replace(config, num_sms=132), interpret=None))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
