@@ -9,7 +9,8 @@ DAPO-style GRPO with FP8 rollout and token-level TIS (``configs/rl.py``: ``AIME2
    rollout.max_new_tokens`` tokens are skipped (or, with ``overflow=truncate``, their question
    is cut; the answer instruction stays), with a printed note;
 2. each step (``fp8rl_jax.rl.loop.run``) samples ``rollout.n_samples`` responses per prompt from
-   the JAX engine in FP8 (W8A8 + FP8 KV by default), stopping at the model's EOS ids
+   the JAX engine (or vLLM: ``--set rollout.backend=vllm``, with the ``fp8rl_jax[vllm]`` extra, one
+   GPU) in FP8 (W8A8 + FP8 KV by default), stopping at the model's EOS ids
    (``config.json`` and ``generation_config.json``), scores them with ``math_reward``,
    computes the trainer's logprobs, updates with the DAPO loss reweighted by TIS, and syncs
    the re-quantized weights into the engine;
@@ -70,6 +71,7 @@ from fp8rl_jax.models.policy import MatmulPolicy
 from fp8rl_jax.rewards import math_reward
 from fp8rl_jax.rl import config as rlconfig
 from fp8rl_jax.rl.checkpointing import CheckpointConfig, Checkpointer, latest_step
+from fp8rl_jax.rl.generator import apply_generator_environment, make_generator
 from fp8rl_jax.rl.loop import MetricsLogger, Task, plot_metrics, read_metrics, run
 from fp8rl_jax.rl.trainer import (
     TrainerConfig,
@@ -79,7 +81,6 @@ from fp8rl_jax.rl.trainer import (
     make_optimizer,
     make_train_step,
 )
-from fp8rl_jax.rollout.engine import JaxEngine
 from fp8rl_jax.tasks import Example, PromptDataset
 from fp8rl_jax.tasks.datasets import (
     PROMPT_TEMPLATE,
@@ -286,6 +287,7 @@ class RunResult:
 def main(config: AimeConfig) -> RunResult:
     t_start = time.perf_counter()
     cfg = config.rl
+    apply_generator_environment(cfg)  # rollout.backend=vllm: the GPU's memory split, before JAX starts on it
     out = Path(cfg.logging.out_dir)
     ckpt_dir = out / "checkpoints"
 
@@ -406,8 +408,7 @@ def main(config: AimeConfig) -> RunResult:
     task = Task(next_batch=dataset.next_batch, encode=encode, decode=decode, reward_fn=math_reward,
                 eval_examples=evals,
                 cursor=lambda: {"data_cursor": dataset.cursor, "data_seed": dataset.seed, "train_examples": len(train)})
-    dtype = cfg.trainer.compute_dtype.value
-    engine = JaxEngine(model_cfg, jax.tree.map(lambda p: p.astype(dtype), state.params), cfg.engine_config())
+    engine = make_generator(cfg, model_cfg, state.params, out)  # rollout.backend: our JAX engine or vLLM
 
     # 4. the loop, logging
     out.mkdir(parents=True, exist_ok=True)

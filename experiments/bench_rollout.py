@@ -261,20 +261,24 @@ def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> lis
     gen = vb.VLLMGenerator(cfg.model, vcfg)
     init_s = time.perf_counter() - t0
     prompts, sampling = _requests(cfg.workload, cfg.model.vocab_size, cfg.seed)
-    gen.generate(prompts[: min(4, len(prompts))], [dataclasses.replace(s, max_tokens=4) for s in sampling[:4]])
-    syncs, parts = [], []
+    syncs, parts, kv_ms = [], [], []
+    if kv:  # trainer-side KV scales of these weights (calibrated once: the weights do not change here)
+        n = min(16, len(prompts))
+        toks = jnp.asarray(np.asarray(prompts[:n], np.int32)[:, :512])
+        k, v = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))(
+            params, toks, jnp.full((n,), toks.shape[1], jnp.int32), config=cfg.model,
+            policy=DensePolicy(cfg.engine.dtype))
     for _ in range(max(1, cfg.sync_repeats) + 1):  # the first compiles the quantizer: not counted
         t0 = time.perf_counter()
         gen.update_weights(params)
-        if kv:
-            n = min(16, len(prompts))
-            toks = jnp.asarray(np.asarray(prompts[:n], np.int32)[:, :512])
-            k, v = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))(
-                params, toks, jnp.full((n,), toks.shape[1], jnp.int32), config=cfg.model,
-                policy=DensePolicy(cfg.engine.dtype))
-            gen.set_kv_scales(k, v)
         syncs.append((time.perf_counter() - t0) * 1e3)
         parts.append(dict(gen.last_sync))
+        if kv:
+            t0 = time.perf_counter()
+            gen.set_kv_scales(k, v)
+            kv_ms.append((time.perf_counter() - t0) * 1e3)
+    # warm-up (after a sync: FP8 KV scales must be set before a generate)
+    gen.generate(prompts[: min(4, len(prompts))], [dataclasses.replace(s, max_tokens=4) for s in sampling[:4]])
     rows = []
     for name, w in workloads:
         prompts, sampling = _requests(w, cfg.model.vocab_size, cfg.seed)
@@ -285,6 +289,8 @@ def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> lis
         rows.append({"mode": mode.value, "backend": "vllm", "workload": name, "generated_tokens": generated,
                      "wall_s": wall, "tokens_per_s": generated / wall, "weight_sync_ms": float(np.median(syncs[1:])),
                      "weight_sync_runs_ms": syncs, "weight_sync_parts_s": parts[1:], "vllm_init_s": init_s,
+                     "weight_update_path": gen.weight_update_path.value,
+                     "set_kv_scales_ms": float(np.median(kv_ms[1:])) if kv else None,
                      "preemptions": batch.preemptions,
                      "vllm": {"gpu_memory_utilization": vcfg.gpu_memory_utilization,
                               "kv_cache_dtype": vcfg.kv_cache_dtype, "start_format": vcfg.start_format.value,

@@ -207,6 +207,14 @@ def sync8b(workdir: Path, repeats: int = 5) -> dict:
     init_s = time.perf_counter() - t0
     prompts = _prompts(config.vocab_size, 4, seed=0, lo=64, hi=128)
     greedy = SamplingConfig(temperature=0.0, max_tokens=16, ignore_eos=True)
+    toks = jnp.asarray(np.asarray([p[:64] for p in prompts], np.int32))
+    calibrate = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))
+
+    def scales(p):  # trainer-side FP8 KV scales of params p (vLLM refuses to generate on stale ones)
+        return calibrate(p, toks, jnp.full((len(prompts),), 64, jnp.int32), config=config,
+                         policy=DensePolicy("bfloat16"))
+
+    gen.set_kv_scales(*scales(params))
     before = gen.generate(prompts, greedy)
     other = init(jax.random.key(1))
     rows = {}
@@ -220,21 +228,20 @@ def sync8b(workdir: Path, repeats: int = 5) -> dict:
             total = (time.perf_counter() - t0) * 1e3
             rows[via.value].append({"total_ms": total, "quantize_ms": gen.last_sync["quantize_s"] * 1e3,
                                     "load_ms": gen.last_sync["load_s"] * 1e3})
+    k, v = scales(other)
     gen.update_weights(other, via=vb.WeightUpdate.RELOAD)
+    gen.set_kv_scales(k, v)
     after_reload = gen.generate(prompts, greedy)
     gen.update_weights(other)
-    after = gen.generate(prompts, greedy)
-    toks = jnp.asarray(np.asarray([p[:64] for p in prompts], np.int32))
-    k, v = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))(
-        other, toks, jnp.full((len(prompts),), 64, jnp.int32), config=config, policy=DensePolicy("bfloat16"))
     t0 = time.perf_counter()
     gen.set_kv_scales(k, v)
     kv_ms = (time.perf_counter() - t0) * 1e3
+    after = gen.generate(prompts, greedy)
     got = gen.read_kv_scales()
     return {
         "checkpoint_save_s": save_s, "vllm_init_s": init_s, "sync_runs": rows,
         "weight_update_path": gen.weight_update_path.value, "weight_update_reason": gen.weight_update_reason,
-        "sync_ms_median": {path: {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
+        "sync_ms_median": {path: {key: statistics.median(r[key] for r in runs[1:]) for key in runs[0]}
                            for path, runs in rows.items()},
         "set_kv_scales_ms": kv_ms,
         "kv_scales_written": bool(np.allclose(got[0], np.asarray(k)) and np.allclose(got[1], np.asarray(v))),

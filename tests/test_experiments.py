@@ -69,6 +69,7 @@ def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
             calls.append(("start", config.start_format, config.kv_cache_dtype, load_checkpoint(config.model_path),
                           config.max_model_len))
             self.last_sync = {}
+            self.weight_update_path = vb.WeightUpdate.DIRECT
 
         def generate(self, prompts, sampling):
             n = [s.max_tokens for s in sampling]
@@ -98,7 +99,7 @@ def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
     assert starts[0][3].hf_config.get("quantization_config") is None
     assert starts[1][3].hf_config["quantization_config"]["weight_block_size"] == [128, 128]
     assert all(c[4] == 38 for c in starts)  # max_model_len covers the longest workload
-    # per mode: one untimed sync (the quantizer's compile) + 2 timed
+    # per mode: one untimed sync (the quantizer's compile) + 2 timed, each followed by the KV scales (FP8 KV)
     assert calls.count(("kv", (tiny_qwen3.num_layers,))) == 3 and calls.count(("update",)) == 6
     for r in res["runs"]:
         assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0 and r["backend"] == "vllm"

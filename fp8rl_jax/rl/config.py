@@ -44,11 +44,20 @@ class ConfigError(ValueError):
     """A configuration value or override that cannot be used; the message names the field."""
 
 
+class RolloutBackend(enum.Enum):
+    """Which generator samples the rollouts (``fp8rl_jax.rl.generator.make_generator``)."""
+
+    JAX = "jax"  # our JaxEngine (the default)
+    VLLM = "vllm"  # vLLM 0.26 in this process (the fp8rl_jax[vllm] extra; one GPU)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """Generation settings: ``n_samples`` responses per prompt (a GRPO group), sampled at
     ``temperature`` / ``top_p`` / ``top_k`` up to ``max_new_tokens``, on a JAX engine with
-    ``max_slots`` decode slots, ``page_size``-token KV pages and a KV budget of ``kv_budget_gib``."""
+    ``max_slots`` decode slots, ``page_size``-token KV pages and a KV budget of ``kv_budget_gib``
+    (``backend=jax``), or on vLLM with ``vllm_memory`` of the GPU beside JAX's ``jax_memory``
+    (``backend=vllm``; the engine sizing fields do not apply to it)."""
 
     n_samples: int = 8
     temperature: float = 1.0
@@ -67,6 +76,10 @@ class RolloutConfig:
     # (JaxEngine.sleep(weights=True)); the weight sync hands new weights over and the next rollout
     # allocates the pool again (same shape: no recompile)
     sleep_while_training: bool = False
+    backend: RolloutBackend = RolloutBackend.JAX
+    vllm_memory: float = 0.45  # backend vllm: vLLM's gpu_memory_utilization (weights, activations, KV)
+    jax_memory: float = 0.45  # backend vllm: XLA_PYTHON_CLIENT_MEM_FRACTION (the trainer), set at start
+    vllm_enforce_eager: bool = False  # backend vllm: no CUDA graphs (faster start, slower decode)
 
     def __post_init__(self) -> None:
         for name in ("n_samples", "max_new_tokens", "max_seq_len", "max_slots", "page_size", "steps_per_call",
@@ -79,6 +92,12 @@ class RolloutConfig:
             raise ConfigError(f"rollout.kv_budget_fraction must be in [0, 1], got {self.kv_budget_fraction}")
         if not self.stall_timeout_s >= 0:
             raise ConfigError(f"rollout.stall_timeout_s must be >= 0 (0: off), got {self.stall_timeout_s}")
+        if not (0 < self.vllm_memory < 1 and 0 < self.jax_memory < 1):
+            raise ConfigError(f"rollout.vllm_memory and rollout.jax_memory must be in (0, 1), got {self.vllm_memory}, "
+                              f"{self.jax_memory}")
+        if self.backend is RolloutBackend.VLLM and self.vllm_memory + self.jax_memory > 0.95:
+            raise ConfigError(f"rollout.vllm_memory + rollout.jax_memory = {self.vllm_memory + self.jax_memory:.2f} "
+                              "leaves less than 5% of the GPU for CUDA contexts and workspaces: lower one of them")
         try:
             self.sampling(0)
         except ValueError as e:

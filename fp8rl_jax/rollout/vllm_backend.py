@@ -42,9 +42,15 @@ GPU, jitted), then one of two ways (``WeightUpdate``):
   ``weight_update_path`` says which ran. The live test checks that both give the same tokens.
 BF16 and BF16_ONLINE send the BF16 weights (BF16_ONLINE: vLLM requantizes them, RELOAD only).
 
-KV scales: ``set_kv_scales(k, v)`` writes our per-layer scales (``calibrate_kv_scales``: dequant
-multipliers, ``x ~= q * s``, the convention of vLLM's ``_k_scale``) into every attention layer's
-``_k_scale``/``_v_scale`` (+ the ``*_float`` and ``*_cpu`` copies some backends read).
+KV scales (``kv_cache_dtype="fp8"``): ``set_kv_scales(k, v)`` writes our per-layer scales
+(``calibrate_kv_scales``: dequant multipliers, ``x ~= q * s``, the convention of vLLM's ``_k_scale``)
+into every attention layer's ``_k_scale``/``_v_scale`` (+ the ``*_float`` and ``*_cpu`` copies some
+backends read). As in our engine, scales are stale from the start (the checkpoint has none: vLLM would
+use 1.0) and after every ``update_weights``, and a generate never runs on stale ones:
+``VLLMConfig.kv_calibration`` TRAINER makes it raise until ``set_kv_scales``; INFERENCE calibrates on
+the first ``kv_calibration_prompts`` prompts of that generate with our forward of the weights the last
+update gave (BF16, the same ``calibrate_kv_scales`` as the trainer side). vLLM's own
+``calculate_kv_scales`` measures once per engine, not per update, and stays off.
 
 Logprobs
 --------
@@ -74,8 +80,11 @@ import jax
 import numpy as np
 
 from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.models.kv_cache import calibrate_kv_scales
+from fp8rl_jax.models.policy import DensePolicy
 from fp8rl_jax.quant.policy import LayerPolicy, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
+from fp8rl_jax.rollout.engine import KvCalibration
 from fp8rl_jax.rollout.sampling import SamplingConfig
 from fp8rl_jax.checkpoint.hf import SCALE_SUFFIX
 from fp8rl_jax.rollout.vllm_names import export_checkpoint, flat_leaves, source_arrays, to_torch_tensor, vllm_table
@@ -143,6 +152,8 @@ class VLLMConfig:
       cudagraph_capture_sizes: decode batch sizes vLLM captures CUDA graphs for (None: vLLM's
         default, 51 sizes up to 512, ~150 s of its start for Qwen3-8B on the H200).
       weight_update: DIRECT copies (the fast path), RELOAD (vLLM's own machinery), or AUTO.
+      kv_calibration: FP8 KV only: where the scales come from after each update (module docstring).
+      kv_calibration_prompts: prompts an INFERENCE calibration runs on.
     """
 
     model_path: str
@@ -159,6 +170,8 @@ class VLLMConfig:
     seed: int = 0
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     weight_update: WeightUpdate = WeightUpdate.AUTO
+    kv_calibration: KvCalibration = KvCalibration.TRAINER
+    kv_calibration_prompts: int = 16
 
     def __post_init__(self) -> None:
         for name in ("gpu_memory_utilization", "jax_memory_fraction", "headroom"):
@@ -176,6 +189,9 @@ class VLLMConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.kv_calibration, KvCalibration) or self.kv_calibration_prompts < 1:
+            raise ValueError(f"kv_calibration must be a KvCalibration and kv_calibration_prompts >= 1, got "
+                             f"{self.kv_calibration!r}, {self.kv_calibration_prompts!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)):
             raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
@@ -331,6 +347,10 @@ class VLLMGenerator:
             if self._direct is None and config.weight_update is WeightUpdate.DIRECT:
                 raise RuntimeError(f"WeightUpdate.DIRECT is not possible here: {self.weight_update_reason}")
         self.weight_update_path = WeightUpdate.DIRECT if self._direct is not None else WeightUpdate.RELOAD
+        # FP8 KV: vLLM's scales are 1.0 until ours arrive; INFERENCE keeps the last update's weights to calibrate
+        self.kv_scales_fresh = config.kv_cache_dtype != "fp8"
+        self._calibration_params: Any = None
+        self._weights_valid = True  # False after a sleep that discarded them, until the next update
         self._check_names()
 
     def _model(self) -> Any:
@@ -361,11 +381,16 @@ class VLLMGenerator:
         if len(configs) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
         params = [sampling_params(c, self.config.logprobs_mode, self.vllm.SamplingParams) for c in configs]
+        if not self._weights_valid:
+            raise RuntimeError("vLLM discarded its weights when it slept (SleepLevel.DISCARD_WEIGHTS): call "
+                               "update_weights before generate")
         self._wake()
+        self._ensure_kv_scales(prompts)
         outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], params, use_tqdm=False)
         if self.config.sleep is not SleepLevel.OFF:
             self.llm.sleep(level=self.config.sleep.value)
             self._asleep = True
+            self._weights_valid = self.config.sleep is not SleepLevel.DISCARD_WEIGHTS
         return rollout_batch(outs, self.config.max_model_len, [len(p) for p in prompts])
 
     def update_weights(self, params: Any, via: WeightUpdate | None = None) -> None:
@@ -375,6 +400,10 @@ class VLLMGenerator:
             raise RuntimeError(f"WeightUpdate.DIRECT is not possible here: {self.weight_update_reason}")
         direct = self._direct is not None and via is not WeightUpdate.RELOAD
         t0 = time.perf_counter()
+        if self.config.kv_cache_dtype == "fp8":
+            self.kv_scales_fresh = False
+            if self.config.kv_calibration is KvCalibration.INFERENCE:
+                self._calibration_params = params  # a reference: the next generate calibrates on them
         if self.config.start_format is StartFormat.FP8_CHECKPOINT:
             params = self._quantize(params)
         jax.block_until_ready(params)  # the torch side reads the buffers on its own stream
@@ -393,6 +422,7 @@ class VLLMGenerator:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         # seconds: our quantization (FP8_CHECKPOINT), then handing the weights to vLLM (either path)
+        self._weights_valid = True
         self.last_sync = {"quantize_s": t1 - t0, "load_s": time.perf_counter() - t1, "direct": float(direct)}
 
     def _direct_plan(self) -> tuple[list | None, str]:
@@ -467,6 +497,26 @@ class VLLMGenerator:
         layers = kv_scale_targets(self._model(), L)
         for i, attn in enumerate(layers):
             write_kv_scale(attn, float(k[i]), float(v[i]))
+        self.kv_scales_fresh = True
+
+    def _ensure_kv_scales(self, prompts: Sequence[Sequence[int]]) -> None:
+        """FP8 KV: scales for this generate, or an error (module docstring, KV scales)."""
+        if self.kv_scales_fresh:
+            return
+        if self.config.kv_calibration is KvCalibration.TRAINER or self._calibration_params is None:
+            raise RuntimeError("vLLM's FP8 KV scales are stale (none since the start or the last update_weights): "
+                               "with trainer-side calibration call set_kv_scales after update_weights; with "
+                               "kv_calibration=INFERENCE call update_weights once after the start")
+        rows = self.config.kv_calibration_prompts
+        sample = [list(p) for p in prompts[:rows]]
+        width = max(16, 1 << (max(len(p) for p in sample) - 1).bit_length())  # few compiled shapes
+        tokens = np.zeros((rows, width), np.int32)
+        lengths = np.zeros((rows,), np.int32)
+        for i, p in enumerate(sample):
+            tokens[i, : len(p)], lengths[i] = p, len(p)
+        k, v = _calibrate(self._calibration_params, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths),
+                          config=self.model_config, policy=DensePolicy("bfloat16"))
+        self.set_kv_scales(k, v)
 
     def read_kv_scales(self) -> tuple[np.ndarray, np.ndarray]:
         """The K and V scales ([L] float32 each) vLLM's attention layers hold now (device buffers)."""
@@ -481,6 +531,9 @@ def _torch_synchronize() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+_calibrate = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))
 
 
 def scale_transform(module: Any) -> tuple[Any, str]:
