@@ -1,6 +1,6 @@
 """The RL run's generator, by ``rollout.backend``: our JAX engine (default) or vLLM.
 
-Entry points call ``generator_environment(cfg)`` before JAX touches the GPU (the vLLM backend splits
+Entry points call ``apply_generator_environment(cfg)`` before JAX touches the GPU (the vLLM backend splits
 the device's memory between JAX and vLLM, and JAX reads its share once, when its GPU backend starts),
 then ``make_generator(cfg, model_config, params, workdir)`` once the trainer's params exist. Either
 generator takes the loop's ``sync_weights`` every step (``update_weights``, plus ``set_kv_scales``
