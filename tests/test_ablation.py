@@ -40,7 +40,8 @@ def _tiny_quickstart():
 
 
 def test_main_tiny(tmp_path):
-    cfg = abl.AblationConfig(quickstart=_tiny_quickstart(), arms=(abl.Arm.BF16, abl.Arm.FP8_TIS), seeds=(0,),
+    # one arm end to end (the arms differ only in config fields: test_arms_differ_only_in_precision_and_correction)
+    cfg = abl.AblationConfig(quickstart=_tiny_quickstart(), arms=(abl.Arm.FP8_TIS,), seeds=(0,),
                              final_window=2, attribution_prompts=4, attribution_samples=2, out=tmp_path, tag="test",
                              workers=1)
     res = abl.main(cfg)
@@ -49,12 +50,10 @@ def test_main_tiny(tmp_path):
         assert (tmp_path / name).exists(), name
     saved = json.loads((tmp_path / "mismatch_ablation_test.json").read_text())
     assert saved["environment"]["jax"] == jax.__version__ and saved["seeds"] == [0]
-    for arm in ("bf16", "fp8_tis"):
-        st = saved["stats"][arm]
-        assert st["final_reward"]["n"] == 1 and 0.0 <= st["final_reward"]["mean"] <= 1.0
-        assert st["kl_k3_mean"]["mean"] >= 0.0
-    assert saved["runs"]["fp8_tis_s0"]["summary"]["precision"] == "all"
-    assert saved["runs"]["bf16_s0"]["summary"]["precision"] == "none"
+    st = saved["stats"]["fp8_tis"]
+    assert st["final_reward"]["n"] == 1 and 0.0 <= st["final_reward"]["mean"] <= 1.0
+    assert st["kl_k3_mean"]["mean"] > 0.0  # an FP8 rollout against the BF16 trainer
+    assert saved["runs"]["fp8_tis_s0"]["summary"]["precision"] == "all" and set(saved["stats"]) == {"fp8_tis"}
     att = res["attribution"]
     assert att["rows"]["none"]["kl_exact"] == 0.0 and att["rows"]["all"]["kl_exact"] > 0.0
     assert set(att["rows"]) == {"none", "bf16_paged", "linears", "kv", "all", "linear_0", "kv_0"}
