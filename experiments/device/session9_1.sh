@@ -2,8 +2,9 @@
 # Next session, call 1 (nvidia-h200-x2).
 #   GPU 0: the decode GEMM sweep with the clustered (TMA multicast) configs at every decode shape (fused and
 #          separate projections), merged into the table (returned), then W1 all with it (session 8: 11216).
-#   GPU 1: BF16 with fused projections (--fuse-projections on) against session 8's unfused 7626, then the
-#          RL-shaped workload in mode all.
+#   GPU 1: the BF16 decode step by kernel at W2's shape (104 rows x 4k context: our W2 BF16 step measured
+#          25.7 ms at 72% of the roofline, vLLM's W2 BF16 is 1.25x ours), BF16 with fused projections
+#          (--fuse-projections on) against session 8's unfused 7626, then the RL-shaped workload in mode all.
 source experiments/device/env.sh
 R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 90 --kv-gib-like-vllm 101.74 107.52"
 (
@@ -18,7 +19,9 @@ R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-ca
 ) &
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && (
   export CUDA_VISIBLE_DEVICES=1
-  { echo "== W1 none fused"; timeout 250 python $R --workload W1 --modes none --fuse-projections on \
+  { echo "== decode profile W2 shape"; timeout 100 python experiments/profile_decode.py --preset qwen3_8b --batch 104 \
+      --context 4096 --modes none --out "$OUT/decode_profile_w2.json"; echo "rc=$?"
+    echo "== W1 none fused"; timeout 250 python $R --workload W1 --modes none --fuse-projections on \
       --out "$OUT/rollout_W1_none_fused.json"; echo "rc=$?"
     echo "== RL all"; timeout $((575 - SECONDS)) python $R --workload RL --modes all --out "$OUT/rollout_RL_all.json"
     echo "rc=$?"
