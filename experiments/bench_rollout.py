@@ -243,7 +243,7 @@ def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> lis
     (our quantization + DLPack + vLLM's in-place reload), median of ``sync_repeats``. One row per
     workload (``workload``, then ``also_workloads``, on the same engine)."""
     from fp8rl_jax.checkpoint import save_checkpoint
-    from fp8rl_jax.models import calibrate_kv_scales
+    from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit
     from fp8rl_jax.models.policy import DensePolicy
     from fp8rl_jax.quant.policy import quantize_params
     from fp8rl_jax.rollout import vllm_backend as vb
@@ -265,7 +265,7 @@ def run_mode_vllm(cfg: BenchConfig, params, mode: Fp8Mode, workdir: Path) -> lis
     if kv:  # trainer-side KV scales of these weights (calibrated once: the weights do not change here)
         n = min(16, len(prompts))
         toks = jnp.asarray(np.asarray(prompts[:n], np.int32)[:, :512])
-        k, v = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))(
+        k, v = calibrate_kv_scales_jit(
             params, toks, jnp.full((n,), toks.shape[1], jnp.int32), config=cfg.model,
             policy=DensePolicy(cfg.engine.dtype))
     for _ in range(max(1, cfg.sync_repeats) + 1):  # the first compiles the quantizer: not counted

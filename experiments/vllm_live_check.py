@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from configs.models import qwen3_1_7b, qwen3_8b  # noqa: E402
 from fp8rl_jax.checkpoint.hf import save_checkpoint  # noqa: E402
 from fp8rl_jax.environment import run_environment  # noqa: E402
-from fp8rl_jax.models import calibrate_kv_scales  # noqa: E402
+from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit  # noqa: E402
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode  # noqa: E402
 from fp8rl_jax.models.qwen3 import forward, init_params  # noqa: E402
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_params  # noqa: E402
@@ -208,11 +208,9 @@ def sync8b(workdir: Path, repeats: int = 5) -> dict:
     prompts = _prompts(config.vocab_size, 4, seed=0, lo=64, hi=128)
     greedy = SamplingConfig(temperature=0.0, max_tokens=16, ignore_eos=True)
     toks = jnp.asarray(np.asarray([p[:64] for p in prompts], np.int32))
-    calibrate = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))
-
     def scales(p):  # trainer-side FP8 KV scales of params p (vLLM refuses to generate on stale ones)
-        return calibrate(p, toks, jnp.full((len(prompts),), 64, jnp.int32), config=config,
-                         policy=DensePolicy("bfloat16"))
+        return calibrate_kv_scales_jit(p, toks, jnp.full((len(prompts),), 64, jnp.int32), config=config,
+                                       policy=DensePolicy("bfloat16"))
 
     gen.set_kv_scales(*scales(params))
     before = gen.generate(prompts, greedy)

@@ -50,10 +50,12 @@ collective. The jnp reference path needs nothing: XLA's partitioner follows the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 import dataclasses
@@ -352,3 +354,21 @@ def calibrate_kv_scales(params, tokens, lengths, *, config, policy, percentile: 
         return jnp.maximum(vals * margin, 1e-12) / fmt_max
 
     return scales(k), scales(v)
+
+
+calibrate_kv_scales_jit = jax.jit(calibrate_kv_scales, static_argnames=(
+    "config", "policy", "percentile", "margin", "fmt_max", "rows_per_pass"))
+"""``calibrate_kv_scales`` jitted once for every caller (engine, RL loop, vLLM backend, benchmarks)."""
+
+
+def calibration_batch(prompts: Sequence[Sequence[int]], rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inference-side calibration input: the first ``rows`` prompts right-padded to ``width``, as
+    ([rows, width] int32 tokens, [rows] int32 lengths). Always ``rows`` rows (the missing ones of
+    length 0, ignored by the percentile), so one compiled calibration serves every batch size at
+    this width."""
+    sample = [list(p)[:width] for p in prompts[:rows]]
+    tokens = np.zeros((rows, width), np.int32)
+    lengths = np.zeros((rows,), np.int32)
+    for i, p in enumerate(sample):
+        tokens[i, : len(p)], lengths[i] = p, len(p)
+    return tokens, lengths

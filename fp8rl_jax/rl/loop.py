@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fp8rl_jax.models import ModelConfig, calibrate_kv_scales
+from fp8rl_jax.models import ModelConfig
+from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy
 from fp8rl_jax.rl.algos import (
     AdvantageEstimator,
@@ -248,7 +249,7 @@ def sync_weights(generator: Generator, params: Any, *, model_config: ModelConfig
     return time.perf_counter() - t0
 
 
-_calibrate = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy", "percentile", "margin", "fmt_max"))
+_calibrate = calibrate_kv_scales_jit
 
 
 def make_sft_step(model_config: ModelConfig, policy: MatmulPolicy, trainer_config: TrainerConfig,

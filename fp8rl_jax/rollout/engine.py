@@ -73,8 +73,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8rl_jax.models import DensePolicy, Fp8Mode, HeadSharding, ModelConfig, PagedKVCache, calibrate_kv_scales, forward
+from fp8rl_jax.models import DensePolicy, Fp8Mode, HeadSharding, ModelConfig, PagedKVCache, forward
 from fp8rl_jax.models.fusion import fuse_params
+from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit, calibration_batch
 from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
 from fp8rl_jax.models.policy import Kernels
 from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, WeightSharding, quantize_params
@@ -244,13 +245,14 @@ class JaxEngine:
             raise ValueError("EngineConfig.fuse_projections is for one device: tensor parallelism splits q/k/v by "
                              "heads, not their concatenation")
         quantize = functools.partial(quantize_params, config=model_config, layer_policy=LayerPolicy(block_size=block))
+        # the trainer's params -> the generator's layout: FP8 quantization and/or fusion (None: as given)
         if fp8 and self.fused:
-            self._quantize = jax.jit(lambda p: fuse_params(quantize(p)))
+            self._prepare = jax.jit(lambda p: fuse_params(quantize(p)))
         elif fp8:
-            self._quantize = jax.jit(quantize)
+            self._prepare = jax.jit(quantize)
         else:
-            self._quantize = jax.jit(fuse_params) if self.fused else None
-        self._sharded_quantize = None  # with a mesh: _quantize jitted to the generator's layout
+            self._prepare = jax.jit(fuse_params) if self.fused else None
+        self._sharded_quantize = None  # with a mesh: _prepare (quantization only) jitted to the generator's layout
         self._reshard = None  # with a mesh: (params key, shardings, jitted reshard into the generator's layout)
         self.reshard_path = ""  # with a mesh: how the last update moved the params ("jit" or "device_put")
         if config.record_routing and not moe_layers(model_config):
@@ -320,7 +322,7 @@ class JaxEngine:
         become stale and are recalibrated (or must be synced) before the next generation. With a
         mesh, the params are first resharded into the generator's layout (``last_sync`` times it)."""
         if self.mesh is None:
-            self.params = self._quantize(params) if self._quantize is not None else params
+            self.params = self._prepare(params) if self._prepare is not None else params
         else:
             self.params = self._sharded_update(params)
         self.kv_scales_fresh = False
@@ -344,9 +346,9 @@ class JaxEngine:
             placed = jax.block_until_ready(jax.device_put(params, shardings))
         t1 = time.perf_counter()
         out = placed
-        if self._quantize is not None:
+        if self._prepare is not None:
             if self._sharded_quantize is None:  # built once: the output layout is the generator's
-                self._sharded_quantize = _shard_local_quantize(self._quantize, placed, self.model_config, self.mesh,
+                self._sharded_quantize = _shard_local_quantize(self._prepare, placed, self.model_config, self.mesh,
                                                                preset)
             out = jax.block_until_ready(self._sharded_quantize(placed))
         self.last_sync = {"reshard_s": t1 - t0, "quantize_s": time.perf_counter() - t1}
@@ -491,16 +493,11 @@ class JaxEngine:
         if self.config.kv_calibration is KvCalibration.TRAINER:
             raise RuntimeError("FP8 KV scales are stale after update_weights: with trainer-side calibration the "
                                "trainer must call calibrate_kv_scales and set_kv_scales first")
-        sample_reqs = requests[: self.config.kv_calibration_prompts]
-        T = self._bucket(max(len(r.prompt) for r in sample_reqs))
-        # always kv_calibration_prompts rows (the missing ones of length 0, ignored by the percentile):
+        prompts = [r.prompt for r in requests[: self.config.kv_calibration_prompts]]
         # one compiled calibration per prompt bucket, whatever the batch size (a 4-prompt warm-up
         # and a 256-prompt rollout share it)
-        tokens = np.zeros((self.config.kv_calibration_prompts, T), np.int32)
-        lengths = np.zeros((self.config.kv_calibration_prompts,), np.int32)
-        for i, r in enumerate(sample_reqs):
-            tokens[i, : len(r.prompt)] = r.prompt
-            lengths[i] = len(r.prompt)
+        tokens, lengths = calibration_batch(prompts, self.config.kv_calibration_prompts,
+                                            self._bucket(max(len(p) for p in prompts)))
         k, v = _calibrate(self.params, jnp.asarray(tokens), jnp.asarray(lengths), config=self.model_config,
                           policy=self.policy, percentile=self.config.kv_percentile, margin=self.config.kv_margin)
         self.set_kv_scales(k, v)
@@ -881,7 +878,7 @@ def _shard_local_quantize(quantize, placed, model_config: ModelConfig, mesh: jax
 # settings share compilations (the RL loop, tests and benchmarks build several).
 
 
-_calibrate = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy", "percentile", "margin", "fmt_max"))
+_calibrate = calibrate_kv_scales_jit
 
 
 def _finish_code(tok, stops, remaining, lengths, max_seq_len: int):

@@ -80,7 +80,7 @@ import jax
 import numpy as np
 
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.kv_cache import calibrate_kv_scales
+from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit, calibration_batch
 from fp8rl_jax.models.policy import DensePolicy
 from fp8rl_jax.quant.policy import LayerPolicy, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
@@ -421,9 +421,9 @@ class VLLMGenerator:
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
-        # seconds: our quantization (FP8_CHECKPOINT), then handing the weights to vLLM (either path)
         self._weights_valid = True
-        self.last_sync = {"quantize_s": t1 - t0, "load_s": time.perf_counter() - t1, "direct": float(direct)}
+        # seconds: our quantization (FP8_CHECKPOINT), then handing the weights to vLLM (either path)
+        self.last_sync = {"quantize_s": t1 - t0, "load_s": time.perf_counter() - t1}
 
     def _direct_plan(self) -> tuple[list | None, str]:
         """``[(VllmTensor, live torch parameter, scale transform or None)]`` for DIRECT updates, or
@@ -508,14 +508,10 @@ class VLLMGenerator:
                                "with trainer-side calibration call set_kv_scales after update_weights; with "
                                "kv_calibration=INFERENCE call update_weights once after the start")
         rows = self.config.kv_calibration_prompts
-        sample = [list(p) for p in prompts[:rows]]
-        width = max(16, 1 << (max(len(p) for p in sample) - 1).bit_length())  # few compiled shapes
-        tokens = np.zeros((rows, width), np.int32)
-        lengths = np.zeros((rows,), np.int32)
-        for i, p in enumerate(sample):
-            tokens[i, : len(p)], lengths[i] = p, len(p)
-        k, v = _calibrate(self._calibration_params, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths),
-                          config=self.model_config, policy=DensePolicy("bfloat16"))
+        longest = max(len(p) for p in prompts[:rows])
+        tokens, lengths = calibration_batch(prompts, rows, max(16, 1 << (longest - 1).bit_length()))  # few shapes
+        k, v = calibrate_kv_scales_jit(self._calibration_params, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths),
+                                       config=self.model_config, policy=DensePolicy("bfloat16"))
         self.set_kv_scales(k, v)
 
     def read_kv_scales(self) -> tuple[np.ndarray, np.ndarray]:
@@ -531,9 +527,6 @@ def _torch_synchronize() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-_calibrate = jax.jit(calibrate_kv_scales, static_argnames=("config", "policy"))
 
 
 def scale_transform(module: Any) -> tuple[Any, str]:
