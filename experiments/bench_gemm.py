@@ -103,7 +103,7 @@ def n_sets(m: int, n: int, k: int) -> int:
     return int(min(64, max(2, np.ceil(4e9 / per_set))))
 
 
-def bench_shape(m: int, n: int, k: int, key, torch_ok: bool) -> dict:
+def bench_shape(m: int, n: int, k: int, key, torch_ok: bool, triton: bool = True) -> dict:
     R = n_sets(m, n, k)
     keys = jax.random.split(key, 2 * R)
     xs = [jax.random.normal(keys[2 * r], (m, k), jnp.bfloat16) for r in range(R)]
@@ -120,7 +120,7 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool) -> dict:
     qa, sa = qas[0]
     ref = gemm_kernel.fp8_gemm_reference(qa, sa, qws[0].q, qws[0].scale_inv, out_dtype=jnp.float32)
     best = None
-    for cfg in SMALL_M_CONFIGS if m <= 256 else LARGE_M_CONFIGS:
+    for cfg in (SMALL_M_CONFIGS if m <= 256 else LARGE_M_CONFIGS) if triton else ():
         try:
             out = gemm_kernel.fp8_gemm(qa, sa, qws[0].q, qws[0].scale_inv, out_dtype=jnp.float32, config=cfg)
             err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
@@ -140,6 +140,7 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool) -> dict:
         record("ours_mgpu", replay_ms(lambda a, s, b, bs: mgpu_kernel.fp8_gemm_mgpu(a, s, b, bs),
                                      [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)]))
         row["ours_mgpu"]["rel_err_vs_reference"] = err
+        row["ours_mgpu"]["config"] = mgpu_kernel._config_dict(mgpu_kernel.default_config(m, n, k))
     except Exception as e:
         row["ours_mgpu"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     record("xla_bf16", replay_ms(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16),
@@ -246,6 +247,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "gemm_h200.json")
     ap.add_argument("--m", type=int, nargs="*", default=list(BENCH_M))
+    ap.add_argument("--nk", type=int, nargs="*", default=None,
+                    help="N K pairs, flattened (default: the Qwen3-8B shapes and the 30B-A3B expert shapes)")
+    ap.add_argument("--no-triton", action="store_true",
+                    help="skip the Triton-lowered kernel (its compiles take most of a full run)")
     ap.add_argument("--skip-sync", action="store_true")
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -259,9 +264,11 @@ def main(argv=None) -> int:
         torch_ok = False
     results = {"environment": environment(), "gemm": []}
     key = jax.random.key(0)
-    for n, k in QWEN3_8B_NK + QWEN3_30B_EXPERT_NK:
+    nk = QWEN3_8B_NK + QWEN3_30B_EXPERT_NK if args.nk is None else tuple(zip(args.nk[::2], args.nk[1::2]))
+    for n, k in nk:
         for m in args.m:
-            row = bench_shape(m, n, k, jax.random.fold_in(key, m * 100003 + n * 7 + k), torch_ok)
+            row = bench_shape(m, n, k, jax.random.fold_in(key, m * 100003 + n * 7 + k), torch_ok,
+                              triton=not args.no_triton)
             results["gemm"].append(row)
             print(json.dumps(row), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)

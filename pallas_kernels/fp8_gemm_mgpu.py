@@ -160,6 +160,7 @@ class MgpuGemmConfig:
     num_sms: int | None = None
     k_splits: int = 1
     cluster_n: int = 1
+    overlap_promotion: bool = False
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -179,6 +180,8 @@ class MgpuGemmConfig:
             raise ValueError(f"MgpuGemmConfig.k_splits must be a positive int, got {self.k_splits!r}")
         if self.cluster_n not in (1, 2):
             raise ValueError(f"MgpuGemmConfig.cluster_n must be 1 or 2, got {self.cluster_n!r}")
+        if not isinstance(self.overlap_promotion, bool):
+            raise ValueError(f"MgpuGemmConfig.overlap_promotion must be a bool, got {self.overlap_promotion!r}")
 
     @property
     def cta_tile_m(self) -> int:
@@ -213,6 +216,12 @@ SWEEP_CONFIGS = (  # all fit in shared memory with bf16 output
     DECODE_CONFIG,
     MgpuGemmConfig(64, 128, MatmulDimension.N, 4, MatmulDimension.M, 8),
     MgpuGemmConfig(64, 64, MatmulDimension.N, 6),
+    # promotion overlapped with the next block's wgmma, and clusters sharing A (DeepGEMM's multicast)
+    dataclasses.replace(DEFAULT_CONFIG, overlap_promotion=True),
+    MgpuGemmConfig(64, 128, MatmulDimension.M, 5, MatmulDimension.N, 8, overlap_promotion=True),
+    dataclasses.replace(DECODE_CONFIG, overlap_promotion=True),
+    dataclasses.replace(DEFAULT_CONFIG, cluster_n=2),
+    dataclasses.replace(DEFAULT_CONFIG, cluster_n=2, overlap_promotion=True),
 )
 
 
@@ -238,6 +247,13 @@ DECODE_SWEEP_CONFIGS = (
     MgpuGemmConfig(128, 64, MatmulDimension.M, 3, cluster_n=2),
     MgpuGemmConfig(64, 128, MatmulDimension.M, 4, cluster_n=2),
     MgpuGemmConfig(128, 64, MatmulDimension.M, 3, k_splits=4, cluster_n=2),
+    # promotion of block kb - 1 overlapped with block kb's wgmma
+    dataclasses.replace(DECODE_CONFIG, overlap_promotion=True),
+    MgpuGemmConfig(64, 64, MatmulDimension.N, 6, overlap_promotion=True),
+    MgpuGemmConfig(128, 64, MatmulDimension.M, 4, overlap_promotion=True),
+    MgpuGemmConfig(128, 64, MatmulDimension.M, 4, cluster_n=2, overlap_promotion=True),
+    MgpuGemmConfig(64, 128, MatmulDimension.M, 4, cluster_n=2, overlap_promotion=True),
+    MgpuGemmConfig(128, 64, MatmulDimension.M, 3, k_splits=4, overlap_promotion=True),
 )
 
 # Measured tuning (``main --tuning-out``): per device kind, the fastest config of each (M bucket, N,
@@ -318,6 +334,7 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
     cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
     splits = config.k_splits
     clustered = config.cluster_n > 1
+    overlap = config.overlap_promotion
     # n_iters: clusters of cluster_n CTAs along N; k_iters: K blocks per split
     m_iters, n_iters, k_iters = m // cta_m, n // (cta_n * config.cluster_n), k // BK // splits
     split_m = config.wg_dimension == MatmulDimension.M
@@ -371,9 +388,17 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
                 wg_n_slice = pl.ds(wg * tile_n, tile_n)
             nb = lax.div(wg_n0, BK)  # this warpgroup's 128-row block of B
 
+            def scaled(d, s):  # a block's product times its per-row scale (a_scale * b_scale_inv)
+                return d * lax.broadcast_in_dim(s, (tile_m, tile_n), [0])
+
             def compute_context(run_pipeline):
                 acc0 = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
-                acc, _ = run_pipeline((acc0, bs_gmem[nb, k0]))
+                if overlap:  # the carry holds the last block's product and scale, promoted here
+                    s0 = plgpu.layout_cast(jnp.zeros((tile_m,), jnp.float32), row_layout)
+                    acc, d, s, _ = run_pipeline((acc0, acc0, s0, bs_gmem[nb, k0]))
+                    acc = acc + scaled(d, s)
+                else:
+                    acc, _ = run_pipeline((acc0, bs_gmem[nb, k0]))
                 # The previous tile's TMA store must have read out_smem before we overwrite it.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 out_smem[wg] = acc.astype(out_dtype)
@@ -382,9 +407,23 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
 
             def step(idx, a_smem, b_smem, as_smem, carry):
                 (kb,) = idx
-                acc, sb = carry
+                sb = carry[-1]
                 # Prefetch the next block's B scale: a GMEM load whose latency the wgmma hides.
                 sb_next = bs_gmem[nb, k0 + jnp.minimum(kb + 1, k_iters - 1)]
+
+                if overlap:
+                    acc, d_prev, s_prev, _ = carry
+
+                    def mma_overlapped(d_ref):
+                        plgpu.wgmma(d_ref, a_smem.at[wg_m_slice], b_smem.at[wg_n_slice].T)  # async
+                        acc_next = acc + scaled(d_prev, s_prev)  # CUDA cores, while the wgmma runs
+                        s = plgpu.load(as_smem.at[wg_m_slice], layout=row_layout) * sb
+                        return acc_next, d_ref[...], s  # the load waits for this block's wgmma
+
+                    acc, d, s = pl.run_scoped(mma_overlapped, plgpu.ACC((tile_m, tile_n), jnp.float32))
+                    return acc, d, s, sb_next
+
+                acc, _ = carry
 
                 def mma(d_ref):
                     plgpu.wgmma(d_ref, a_smem.at[wg_m_slice], b_smem.at[wg_n_slice].T)
@@ -392,7 +431,7 @@ def _kernel(a_gmem, as_gmem, b_gmem, bs_gmem, out_gmem, out_smem, *, config: Mgp
 
                 d = pl.run_scoped(mma, plgpu.ACC((tile_m, tile_n), jnp.float32))
                 s = plgpu.load(as_smem.at[wg_m_slice], layout=row_layout) * sb
-                return acc + d * lax.broadcast_in_dim(s, (tile_m, tile_n), [0]), sb_next
+                return acc + scaled(d, s), sb_next
 
             k_slice = pl.ds(k0 * BK, k_iters * BK)
             get_pipeline(step, compute_context)(

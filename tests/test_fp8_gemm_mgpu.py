@@ -38,6 +38,8 @@ CLUSTER_DECODE = dataclasses.replace(DECODE_256x64, num_sms=4, cluster_n=2)
 CLUSTER_N_SPLIT = MgpuGemmConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N, max_concurrent_steps=2,
                                  num_sms=4, cluster_n=2, grid_tile_width=2)
 CLUSTER_SPLIT_K = dataclasses.replace(CLUSTER_N_SPLIT, k_splits=2, grid_tile_width=1)
+# promotion of K block kb - 1 overlapped with block kb's wgmma (the carry holds one block's product)
+OVERLAP = dataclasses.replace(M_SPLIT, overlap_promotion=True)
 
 
 def _operands(m: int, n: int, k: int, seed: int):
@@ -82,6 +84,10 @@ class TestInterpret:
             (256, 512, 384, CLUSTER_DECODE),  # 4 CTA columns = 2 clusters of 2 sharing A (multicast)
             (200, 768, 256, CLUSTER_N_SPLIT),  # 3 cluster columns x 2 M tiles on 2 clusters, partial M
             (64, 512, 512, CLUSTER_SPLIT_K),  # clusters with split-K
+            (128, 256, 384, OVERLAP),  # overlapped promotion: 3 K blocks, the last promoted after the loop
+            (200, 256, 128, OVERLAP),  # overlapped promotion with 1 K block (nothing to overlap), partial M
+            (72, 256, 768, dataclasses.replace(SPLIT_K3, overlap_promotion=True)),  # ... with split-K
+            (256, 512, 384, dataclasses.replace(CLUSTER_DECODE, overlap_promotion=True)),  # ... with clusters
         ],
     )
     def test_f32_matches_reference(self, m, n, k, config):
@@ -283,10 +289,12 @@ def test_merged_tuning_replaces_measured_shapes_only(tmp_path):
     assert G.merged_tuning(tmp_path / "absent.json", new) == new
 
 
-@pytest.mark.parametrize("config", [c for c in G.DECODE_SWEEP_CONFIGS if c.cluster_n > 1], ids=str)
-def test_cluster_configs_lower_for_cuda(config):
-    """The clustered (TMA multicast) decode configs pass the Mosaic GPU lowering for CUDA on the CPU
-    (layouts, cluster barriers, shared memory) at the fused q/k/v shape; PTX and timing need the H200."""
+@pytest.mark.parametrize("config", [c for c in G.SWEEP_CONFIGS + G.DECODE_SWEEP_CONFIGS
+                                    if c.cluster_n > 1 or c.overlap_promotion], ids=str)
+def test_cluster_and_overlap_configs_lower_for_cuda(config):
+    """The clustered (TMA multicast) and overlapped-promotion sweep configs pass the Mosaic GPU
+    lowering for CUDA on the CPU (layouts, cluster barriers, shared memory) at the fused q/k/v shape;
+    PTX and timing need the H200."""
     import functools
 
     m, n, k = 256, 6144, 4096
