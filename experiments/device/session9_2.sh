@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 9, call 2 (nvidia-h200-x2): the FP8 GEMM with overlapped promotion and clusters.
 #   GPU 0: the decode sweep (M = 256, the fused generator's shapes) with the new configs, merged into the table
-#          (returned), then W1 all with it (session 8: 11216 tokens/s).
+#          (returned), the kernel's GPU tests (native numerics of every sweep config), then W1 all with the
+#          table (session 8: 11216 tokens/s).
 #   GPU 1, in its own copy of the tree (its table must not race GPU 0's): the prefill sweep (M = 2048, 8192 at
 #          issue 3's shapes) into a table, then bench_gemm (ours at the table's config against cuBLAS blockwise
 #          FP8, XLA FP8 tensorwise and XLA BF16) at every issue-3 shape, and the weight-quantization sync.
@@ -13,6 +14,8 @@ R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-ca
       --no-triton --nk 6144 4096 24576 4096 4096 4096 4096 12288 --out "$OUT/gemm_decode.json" \
       --tuning-out "$OUT/tuning_decode.json"; echo "rc=$?"
     [ -s "$OUT/tuning_decode.json" ] && cp "$OUT/tuning_decode.json" pallas_kernels/fp8_gemm_mgpu_tuning.json
+    echo "== GPU tests of the GEMM"; timeout 110 python -m pytest -q -m gpu tests/test_fp8_gemm_mgpu.py -p no:cacheprovider \
+      2>&1 | tail -4
     echo "== W1 all"; timeout $((575 - SECONDS)) python $R --workload W1 --modes all --out "$OUT/rollout_W1_all.json"
     echo "rc=$?"
   } 2>&1 | filt > "$OUT/gpu0.log"
