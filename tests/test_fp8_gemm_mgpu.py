@@ -124,8 +124,8 @@ class TestGpu(TestInterpret):
     def test_f32_matches_reference(self, m, n, k):  # real sizes, default config
         self.check(m, n, k, None, seed=m + n + k)
 
-    @pytest.mark.parametrize("config", G.SWEEP_CONFIGS + tuple(c for c in G.DECODE_SWEEP_CONFIGS if c.cluster_n > 1),
-                             ids=str)
+    @pytest.mark.parametrize("config", G.SWEEP_CONFIGS + G.OVERLAP_CONFIGS
+                             + tuple(c for c in G.DECODE_SWEEP_CONFIGS if c.cluster_n > 1), ids=str)
     def test_sweep_configs(self, config):
         self.check(512, 1024, 1024, dataclasses.replace(config, num_sms=None), out_dtype=jnp.bfloat16)
 
@@ -289,7 +289,7 @@ def test_merged_tuning_replaces_measured_shapes_only(tmp_path):
     assert G.merged_tuning(tmp_path / "absent.json", new) == new
 
 
-@pytest.mark.parametrize("config", [c for c in G.SWEEP_CONFIGS + G.DECODE_SWEEP_CONFIGS
+@pytest.mark.parametrize("config", [c for c in G.SWEEP_CONFIGS + G.DECODE_SWEEP_CONFIGS + G.OVERLAP_CONFIGS
                                     if c.cluster_n > 1 or c.overlap_promotion], ids=str)
 def test_cluster_and_overlap_configs_lower_for_cuda(config):
     """The clustered (TMA multicast) and overlapped-promotion sweep configs pass the Mosaic GPU
