@@ -4,7 +4,8 @@ Contenders on Qwen3-8B GEMM shapes (M in {64, 256, 2048, 8192}; (N, K) in {(4096
 (1024, 4096), (12288, 4096), (4096, 12288)}) and the Qwen3-30B-A3B expert shapes
 ((768, 2048) gate/up, (2048, 768) down) as dense GEMMs:
   - ours: the Pallas W8A8 block-scaled GEMMs, Triton-lowered (`pallas_kernels.fp8_gemm`, best of a
-    few configs) and Mosaic GPU TMA + wgmma (`pallas_kernels.fp8_gemm_mgpu`, default config);
+    few configs) and Mosaic GPU TMA + wgmma (`pallas_kernels.fp8_gemm_mgpu`, default config), and
+    cuBLASLt's block-scaled FP8 called from JAX through our FFI handler (`fp8rl_jax.quant.cublaslt`);
   - XLA BF16 `dot`;
   - XLA FP8 `dot` with one scale per tensor (cuBLASLt FP8, tensorwise);
   - cuBLAS blockwise FP8 through torch (`torch.nn.functional.scaled_mm`, BlockWise1x128 x
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fp8rl_jax.environment import run_environment  # noqa: E402
+from fp8rl_jax.quant import cublaslt  # noqa: E402
 from fp8rl_jax.quant import quantize_activations, quantize_weight_blockwise  # noqa: E402
 from pallas_kernels import fp8_gemm as gemm_kernel  # noqa: E402
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel  # noqa: E402
@@ -143,6 +145,18 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool, triton: bool = True
         row["ours_mgpu"]["config"] = mgpu_kernel._config_dict(mgpu_kernel.default_config(m, n, k))
     except Exception as e:
         row["ours_mgpu"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    ok, why = cublaslt.available()
+    if ok and cublaslt.supports(n, k):  # cuBLASLt's block-scaled FP8 through our FFI handler
+        try:
+            out = cublaslt.fp8_gemm_cublaslt(qa, sa, qws[0].q, qws[0].scale_inv, out_dtype=jnp.float32)
+            err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            record("ours_cublaslt", replay_ms(lambda a, s, b, bs: cublaslt.fp8_gemm_cublaslt(a, s, b, bs),
+                                             [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)]))
+            row["ours_cublaslt"]["rel_err_vs_reference"] = err
+        except Exception as e:
+            row["ours_cublaslt"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    elif not ok:
+        row["ours_cublaslt"] = {"error": why}
     record("xla_bf16", replay_ms(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16),
                                 list(zip(xs, ws))))
     a8 = [x.astype(jnp.float8_e4m3fn) for x in xs]
@@ -219,18 +233,18 @@ def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [f"# FP8 GEMM on {env['device']} ({env['date']})", "",
              f"jax {env['jax']}, torch {env['torch']}; TFLOP/s, median of 10 (R distinct input sets per replay).", "",
-             "| M | N | K | ours Triton | ours Mosaic | cuBLAS FP8 block (torch) | XLA FP8 tensorwise | XLA BF16 | best ours / cuBLAS block | best ours / BF16 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| M | N | K | ours Triton | ours Mosaic | ours via cuBLASLt (FFI) | cuBLAS FP8 block (torch) | XLA FP8 tensorwise | XLA BF16 | best ours / cuBLAS block | best ours / BF16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["gemm"]:
         def tf(k):
             v = r.get(k, {})
             return v.get("tflops") if isinstance(v, dict) else None
-        tri, mos = tf("ours_fp8_block"), tf("ours_mgpu")
+        tri, mos, lt = tf("ours_fp8_block"), tf("ours_mgpu"), tf("ours_cublaslt")
         cub, x8, bf = tf("torch_cublas_fp8_block"), tf("xla_fp8_tensorwise"), tf("xla_bf16")
-        ours = max((v for v in (tri, mos) if v is not None), default=None)
+        ours = max((v for v in (tri, mos, lt) if v is not None), default=None)
         fmt = lambda v: "n/a" if v is None else f"{v:.0f}"
         ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"
-        lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {fmt(tri)} | {fmt(mos)} | {fmt(cub)} | {fmt(x8)} | {fmt(bf)} | "
+        lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {fmt(tri)} | {fmt(mos)} | {fmt(lt)} | {fmt(cub)} | {fmt(x8)} | {fmt(bf)} | "
                      f"{ratio(ours, cub)} | {ratio(ours, bf)} |")
     ws = results.get("weight_sync")
     if ws:

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from fp8rl_jax.environment import enable_compilation_cache, run_environment  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params  # noqa: E402
+from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
 from fp8rl_jax.rollout.watchdog import StallWatchdog  # noqa: E402
@@ -228,6 +229,7 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
         "kv_pool_gib": engine.kv_pool_bytes / 2**30,
         "bf16_copy_freed": standalone,
         "fused_projections": engine.fused,  # q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections)
+        "fp8_gemm": cfg.engine.fp8_gemm.resolve().value if mode.fp8_weights else None,  # Mosaic or cuBLASLt
         "full_length_sequences_that_fit": engine.sequences_that_fit,
         "preemptions": batch.preemptions,
         "roofline_step_ms_at_mean_context": step_bytes / HBM_BPS * 1e3,
@@ -376,6 +378,9 @@ if __name__ == "__main__":
                     help="weight syncs (update_weights) timed per mode; the median is reported")
     ap.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto",
                     help="q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections; auto: FP8 weights only)")
+    ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
+                    help="the dense FP8 GEMM of the w8a8/all modes (EngineConfig.fp8_gemm): our Mosaic kernel or "
+                         "cuBLASLt's block-scaled FP8; auto reads FP8RL_FP8_GEMM, else mosaic")
     ap.add_argument("--no-overlap-host", action="store_true",
                     help="the synchronous host loop (EngineConfig.overlap_host=False), to measure what overlap saves")
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
@@ -421,7 +426,8 @@ if __name__ == "__main__":
         sizing["num_pages"] = -(-a.kv_tokens // BenchConfig.engine.page_size)
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
                                  max_slots=a.max_slots, overlap_host=not a.no_overlap_host,
-                                 fuse_projections={"auto": None, "on": True, "off": False}[a.fuse_projections], **sizing)
+                                 fuse_projections={"auto": None, "on": True, "off": False}[a.fuse_projections],
+                                 fp8_gemm=GemmBackend(a.fp8_gemm), **sizing)
     model = PRESETS[a.preset]
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)

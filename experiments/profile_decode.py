@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.environment import run_environment  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, init_params  # noqa: E402
+from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from fp8rl_jax.rollout import engine as engine_mod  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
@@ -134,7 +135,9 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
     max_seq = args.context + args.steps * (args.repeats + 3) + ps
     pages = args.batch * -(-max_seq // ps) + 8
     ec = EngineConfig(max_slots=args.batch, page_size=ps, num_pages=pages, max_seq_len=max_seq,
-                      steps_per_call=args.steps, precision=mode, dtype=args.dtype)
+                      steps_per_call=args.steps, precision=mode, dtype=args.dtype,
+                      fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
+                      fp8_gemm=GemmBackend(args.fp8_gemm))
     engine = JaxEngine(cfg, params, ec)
     lengths, rest = setup(engine, args.batch, args.context, args.seed)
 
@@ -199,6 +202,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", nargs="*", default=["none", "all"], choices=[m.value for m in Fp8Mode])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto",
+                    help="EngineConfig.fuse_projections (auto: on for FP8 weights)")
+    ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
+                    help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else mosaic)")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-out", type=Path, default=None, help="also keep each traced call's trace.json.gz here")

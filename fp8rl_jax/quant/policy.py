@@ -42,6 +42,8 @@ compute dtype, as the reference path does. Activation quantization runs inside, 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import os
 from typing import Any
 
 import jax
@@ -52,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, Kernels, MatmulPolicy, Proj, Site
+from fp8rl_jax.quant import cublaslt
 from fp8rl_jax.quant.fp8 import (QuantizedWeight, dequantize_activations, quantize_activations,
                                  quantize_weight_blockwise)
 from pallas_kernels import fp8_gemm as gemm_kernel
@@ -181,6 +184,26 @@ class WeightSharding:
         return spec[-2], spec[-1]
 
 
+class GemmBackend(enum.Enum):
+    """Which GPU GEMM runs a dense W8A8 matmul when the kernels run (``Kernels.pallas()``)."""
+
+    AUTO = "auto"  # FP8RL_FP8_GEMM if set, else MOSAIC (the measured default until cuBLASLt is timed here)
+    MOSAIC = "mosaic"  # pallas_kernels.fp8_gemm_mgpu where the shape allows, the Triton fp8_gemm elsewhere
+    CUBLASLT = "cublaslt"  # fp8rl_jax.quant.cublaslt (cuBLAS's block-scaled FP8) where the shape allows
+
+    def resolve(self) -> GemmBackend:
+        if self is not GemmBackend.AUTO:
+            return self
+        env = os.environ.get("FP8RL_FP8_GEMM", "").strip().lower()
+        if env in ("", "auto"):
+            return GemmBackend.MOSAIC
+        try:
+            chosen = GemmBackend(env)
+        except ValueError:
+            raise ValueError(f"FP8RL_FP8_GEMM must be one of auto, mosaic, cublaslt; got {env!r}") from None
+        return GemmBackend.MOSAIC if chosen is GemmBackend.AUTO else chosen
+
+
 @dataclasses.dataclass(frozen=True)
 class W8A8Policy(MatmulPolicy):
     """FP8 weights x dynamically quantized FP8 activations; dense weights take the dense path."""
@@ -189,6 +212,7 @@ class W8A8Policy(MatmulPolicy):
     group_size: int = 128
     kernels: Kernels = Kernels.AUTO
     sharding: WeightSharding | None = None  # tensor parallelism: run the Pallas GEMMs per shard
+    gemm: GemmBackend = GemmBackend.AUTO  # the dense FP8 GEMM on the GPU (resolved at trace time)
 
     @property
     def compute_dtype(self) -> Any:
@@ -226,9 +250,15 @@ class W8A8Policy(MatmulPolicy):
         if self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK:
             interpret = jax.default_backend() != "gpu"
 
+            backend = self.gemm.resolve()
+            if backend is GemmBackend.CUBLASLT and not interpret and not cublaslt.available()[0]:
+                raise RuntimeError(f"W8A8Policy(gemm=cublaslt): {cublaslt.available()[1]}")
+
             def gemm(x, q, s, out_dtype):
                 xq, xs = quantize_activations(x, self.group_size)
                 m, (n, k) = xq.shape[0], q.shape
+                if backend is GemmBackend.CUBLASLT and not interpret and cublaslt.supports(n, k, out_dtype):
+                    return cublaslt.fp8_gemm_cublaslt(xq, xs, q, s, out_dtype=out_dtype)
                 if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
                     return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
                 return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K

@@ -78,7 +78,7 @@ from fp8rl_jax.models.fusion import fuse_params
 from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit, calibration_batch
 from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
 from fp8rl_jax.models.policy import Kernels
-from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, WeightSharding, quantize_params
+from fp8rl_jax.quant.policy import GemmBackend, LayerPolicy, W8A8Policy, WeightSharding, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
 from fp8rl_jax.rollout.watchdog import StallWatchdog
@@ -137,6 +137,9 @@ class EngineConfig:
         activation quantization per fused group. None (default): on for FP8 weights on one device
         (the sync builds a copy anyway; the concatenation adds ~9 GB of traffic per Qwen3-8B sync),
         off for BF16, whose update is otherwise a swap without copy. Not with a mesh.
+      fp8_gemm: the dense FP8 GEMM on the GPU (`fp8rl_jax.quant.policy.GemmBackend`): our Mosaic
+        kernel or cuBLASLt's block-scaled FP8 (``fp8rl_jax.quant.cublaslt``); AUTO reads
+        ``FP8RL_FP8_GEMM`` and defaults to the Mosaic kernel.
     """
 
     max_slots: int = 32
@@ -159,6 +162,7 @@ class EngineConfig:
     stall_timeout_s: float = 0.0
     overlap_host: bool = True
     fuse_projections: bool | None = None
+    fp8_gemm: GemmBackend = GemmBackend.AUTO
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -170,6 +174,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_budget_fraction must be in [0, 1], got {self.kv_budget_fraction}")
         if not isinstance(self.precision, Fp8Mode):
             raise ValueError(f"EngineConfig.precision must be an Fp8Mode, got {self.precision!r}")
+        if not isinstance(self.fp8_gemm, GemmBackend):
+            raise ValueError(f"EngineConfig.fp8_gemm must be a GemmBackend, got {self.fp8_gemm!r}")
         if not isinstance(self.kv_calibration, KvCalibration):
             raise ValueError(f"EngineConfig.kv_calibration must be a KvCalibration, got {self.kv_calibration!r}")
         b = self.fp8_block
@@ -239,7 +245,7 @@ class JaxEngine:
         # BF16 MoE experts through the Pallas grouped GEMM on one device (no VJP needed here; XLA
         # cannot partition the kernel, so a sharded engine keeps ragged_dot)
         dense = DensePolicy(config.dtype, ragged_kernels=Kernels.AUTO if mesh is None else Kernels.REFERENCE)
-        self.policy = W8A8Policy(config.dtype, group_size=block[1]) if fp8 else dense
+        self.policy = W8A8Policy(config.dtype, group_size=block[1], gemm=config.fp8_gemm) if fp8 else dense
         self.fused = config.fuse_projections if config.fuse_projections is not None else (fp8 and mesh is None)
         if self.fused and mesh is not None:
             raise ValueError("EngineConfig.fuse_projections is for one device: tensor parallelism splits q/k/v by "

@@ -1,0 +1,294 @@
+// W8A8 block-scaled FP8 GEMM through cuBLASLt, as an XLA FFI custom call (fp8rl_jax.quant.cublaslt).
+//
+//   out [M, N] = (A [M, K] x a_scale 1x128) @ (B [N, K] x b_scale_inv 128x128)^T, float32 accumulation,
+//
+// the math of pallas_kernels.fp8_gemm (DeepSeek-V3 / vLLM block scales), done by cuBLASLt's block-scaled
+// FP8 matmul (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F x BLK128x128_32F, cuBLAS >= 12.9, Hopper). cuBLAS is
+// column-major, so it computes out^T [N, M] = B [N, K] . A^T: its "A" operand is our weight (K-major, TRANSA = T,
+// 128x128 block scales laid out like the data: [N/128][ld] with the K blocks contiguous, ld = K/128 rounded up
+// to 4) and its "B" operand our activations (K-major, TRANSB = N, 1x128 scales M-contiguous: [K/128][M]).
+//
+// No CUDA or cuBLAS header is needed to build this file (g++ and jaxlib's FFI headers only): the few cuBLASLt
+// entry points used are declared below with the values of cuBLAS 13's cublasLt.h (checked against the real
+// header by cublaslt_check.cc wherever that header exists) and resolved with dlopen at the first call, from the
+// library path the Python side passes (the libcublasLt that jax's CUDA plugin loads) or the usual sonames.
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// ---- the subset of cublasLt.h used (values of cuBLAS 13.x; cublaslt_check.cc compares them with the header) ----
+namespace fp8rl_lt {
+typedef int Status;
+typedef struct Context* Handle;
+typedef struct MatmulDescOpaque* MatmulDesc;
+typedef struct MatrixLayoutOpaque* MatrixLayout;
+typedef struct PreferenceOpaque* Preference;
+typedef struct CUstream_st* Stream;
+struct Algo {
+  uint64_t data[8];
+};
+struct HeuristicResult {
+  Algo algo;
+  size_t workspaceSize;
+  Status state;
+  float wavesCount;
+  int reserved[4];
+};
+
+constexpr Status kSuccess = 0;
+constexpr int kCudaR32F = 0;         // CUDA_R_32F
+constexpr int kCudaR16BF = 14;       // CUDA_R_16BF
+constexpr int kCudaR8FE4M3 = 28;     // CUDA_R_8F_E4M3
+constexpr int kComputeF32 = 68;      // CUBLAS_COMPUTE_32F
+constexpr int32_t kOpN = 0;          // CUBLAS_OP_N
+constexpr int32_t kOpT = 1;          // CUBLAS_OP_T
+constexpr int kDescTransA = 3;       // CUBLASLT_MATMUL_DESC_TRANSA
+constexpr int kDescTransB = 4;       // CUBLASLT_MATMUL_DESC_TRANSB
+constexpr int kDescAScalePtr = 17;   // CUBLASLT_MATMUL_DESC_A_SCALE_POINTER
+constexpr int kDescBScalePtr = 18;   // CUBLASLT_MATMUL_DESC_B_SCALE_POINTER
+constexpr int kDescAScaleMode = 31;  // CUBLASLT_MATMUL_DESC_A_SCALE_MODE
+constexpr int kDescBScaleMode = 32;  // CUBLASLT_MATMUL_DESC_B_SCALE_MODE
+constexpr int32_t kScaleVec128F32 = 4;      // CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+constexpr int32_t kScaleBlk128x128F32 = 5;  // CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+constexpr int kPrefMaxWorkspace = 1;        // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+}  // namespace fp8rl_lt
+
+namespace {
+
+using namespace fp8rl_lt;
+constexpr uint64_t kMaxWorkspace = 32ull << 20;
+
+struct Lt {
+  Status (*Create)(Handle*);
+  const char* (*GetStatusName)(Status);
+  size_t (*GetVersion)();
+  Status (*MatmulDescCreate)(MatmulDesc*, int, int);
+  Status (*MatmulDescDestroy)(MatmulDesc);
+  Status (*MatmulDescSetAttribute)(MatmulDesc, int, const void*, size_t);
+  Status (*MatrixLayoutCreate)(MatrixLayout*, int, uint64_t, uint64_t, int64_t);
+  Status (*MatmulPreferenceCreate)(Preference*);
+  Status (*MatmulPreferenceDestroy)(Preference);
+  Status (*MatmulPreferenceSetAttribute)(Preference, int, const void*, size_t);
+  Status (*MatmulAlgoGetHeuristic)(Handle, MatmulDesc, MatrixLayout,
+                                           MatrixLayout, MatrixLayout, MatrixLayout,
+                                           Preference, int, HeuristicResult*, int*);
+  Status (*Matmul)(Handle, MatmulDesc, const void*, const void*, MatrixLayout,
+                           const void*, MatrixLayout, const void*, const void*, MatrixLayout,
+                           void*, MatrixLayout, const Algo*, void*, size_t, Stream);
+};
+
+std::mutex g_mu;
+std::string g_library_path;  // set from Python before the first call; empty: the usual sonames
+Lt g_lt;
+bool g_loaded = false;
+std::string g_load_error;
+std::unordered_map<int, Handle> g_handles;  // per device ordinal
+
+template <typename F>
+bool Sym(void* lib, const char* name, F* out, std::string* err) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  if (*out == nullptr) *err = std::string("cuBLASLt has no symbol ") + name;
+  return *out != nullptr;
+}
+
+// Loads cuBLASLt once (under g_mu); returns an empty string or why it failed.
+std::string LoadLocked() {
+  if (g_loaded) return "";
+  if (!g_load_error.empty()) return g_load_error;
+  void* lib = nullptr;
+  std::string tried;
+  const std::string candidates[] = {g_library_path, "libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"};
+  for (const std::string& c : candidates) {
+    if (c.empty()) continue;
+    lib = dlopen(c.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    if (lib != nullptr) break;
+    tried += " " + c + " (" + dlerror() + ")";
+  }
+  if (lib == nullptr) return g_load_error = "could not load cuBLASLt:" + tried;
+  std::string err;
+  bool ok = Sym(lib, "cublasLtCreate", &g_lt.Create, &err) &&
+            Sym(lib, "cublasLtGetStatusName", &g_lt.GetStatusName, &err) &&
+            Sym(lib, "cublasLtGetVersion", &g_lt.GetVersion, &err) &&
+            Sym(lib, "cublasLtMatmulDescCreate", &g_lt.MatmulDescCreate, &err) &&
+            Sym(lib, "cublasLtMatmulDescDestroy", &g_lt.MatmulDescDestroy, &err) &&
+            Sym(lib, "cublasLtMatmulDescSetAttribute", &g_lt.MatmulDescSetAttribute, &err) &&
+            Sym(lib, "cublasLtMatrixLayoutCreate", &g_lt.MatrixLayoutCreate, &err) &&
+            Sym(lib, "cublasLtMatmulPreferenceCreate", &g_lt.MatmulPreferenceCreate, &err) &&
+            Sym(lib, "cublasLtMatmulPreferenceDestroy", &g_lt.MatmulPreferenceDestroy, &err) &&
+            Sym(lib, "cublasLtMatmulPreferenceSetAttribute", &g_lt.MatmulPreferenceSetAttribute, &err) &&
+            Sym(lib, "cublasLtMatmulAlgoGetHeuristic", &g_lt.MatmulAlgoGetHeuristic, &err) &&
+            Sym(lib, "cublasLtMatmul", &g_lt.Matmul, &err);
+  if (!ok) return g_load_error = err;
+  // block-scaled FP8 (VEC128 / BLK128x128 scale modes) arrived in cuBLAS 12.9
+  size_t version = g_lt.GetVersion();
+  if (version < 120900) return g_load_error = "cuBLASLt " + std::to_string(version) + " predates block-scaled FP8 (12.9)";
+  g_loaded = true;
+  return "";
+}
+
+std::string StatusName(Status s) {
+  return g_lt.GetStatusName != nullptr ? g_lt.GetStatusName(s) : std::to_string(s);
+}
+
+#define LT_CHECK(expr, what)                                                                          \
+  do {                                                                                                \
+    Status _s = (expr);                                                                       \
+    if (_s != kSuccess) return ffi::Error::Internal(std::string("cuBLASLt ") + what + ": " + StatusName(_s)); \
+  } while (0)
+
+// Layouts and the chosen algorithm of one problem shape, per thread (descriptors are not shared between
+// threads; the scale pointers are set on this thread's matmul descriptor at every call).
+struct Plan {
+  MatmulDesc desc = nullptr;
+  MatrixLayout a = nullptr, b = nullptr, d = nullptr;
+  Algo algo;
+  size_t workspace = 0;
+};
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int>;
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    size_t h = 0;
+    auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
+    mix(std::get<0>(k)); mix(std::get<1>(k)); mix(std::get<2>(k)); mix(std::get<3>(k)); mix(std::get<4>(k));
+    return h;
+  }
+};
+thread_local std::unordered_map<PlanKey, Plan, PlanKeyHash> t_plans;
+
+ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type, Plan* plan) {
+  LT_CHECK(g_lt.MatmulDescCreate(&plan->desc, kComputeF32, kCudaR32F), "matmul descriptor");
+  LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransA, &kOpT, sizeof(kOpT)), "TRANSA");
+  LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransB, &kOpN, sizeof(kOpN)), "TRANSB");
+  LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescAScaleMode, &kScaleBlk128x128F32, sizeof(int32_t)),
+           "A scale mode (BLK128x128_32F)");
+  LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescBScaleMode, &kScaleVec128F32, sizeof(int32_t)),
+           "B scale mode (VEC128_32F)");
+  // column-major: A = weight as K x N (ld K), B = activations as K x M (ld K), D = out^T as N x M (ld N)
+  LT_CHECK(g_lt.MatrixLayoutCreate(&plan->a, kCudaR8FE4M3, k, n, k), "A layout");
+  LT_CHECK(g_lt.MatrixLayoutCreate(&plan->b, kCudaR8FE4M3, k, m, k), "B layout");
+  LT_CHECK(g_lt.MatrixLayoutCreate(&plan->d, out_type, n, m, n), "D layout");
+  Preference pref;
+  LT_CHECK(g_lt.MatmulPreferenceCreate(&pref), "preference");
+  uint64_t ws = kMaxWorkspace;
+  LT_CHECK(g_lt.MatmulPreferenceSetAttribute(pref, kPrefMaxWorkspace, &ws, sizeof(ws)), "workspace preference");
+  HeuristicResult result;
+  std::memset(&result, 0, sizeof(result));
+  int found = 0;
+  Status s = g_lt.MatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1,
+                                                 &result, &found);
+  g_lt.MatmulPreferenceDestroy(pref);
+  if (s != kSuccess || found == 0)
+    return ffi::Error::Internal("cuBLASLt has no block-scaled FP8 algorithm for M=" + std::to_string(m) +
+                                " N=" + std::to_string(n) + " K=" + std::to_string(k) + " (" + StatusName(s) + ")");
+  plan->algo = result.algo;
+  plan->workspace = result.workspaceSize;
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t device, ffi::AnyBuffer a,
+                        ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  // a [M, K] e4m3, a_scale_t [K/128, M], b [N, K] e4m3, b_scale [N/128, ld >= K/128, ld % 4 == 0], out [M, N]
+  auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
+  auto asd = a_scale_t.dimensions(), bsd = b_scale.dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || od.size() != 2 || asd.size() != 2 || bsd.size() != 2)
+    return ffi::Error::InvalidArgument("fp8 block GEMM: operands must be 2-D");
+  if (a.element_type() != ffi::F8E4M3FN || b.element_type() != ffi::F8E4M3FN)
+    return ffi::Error::InvalidArgument("fp8 block GEMM: A and B must be float8_e4m3fn");
+  const int64_t m = ad[0], k = ad[1], n = bd[0];
+  const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+  if (bd[1] != k || od[0] != m || od[1] != n || asd[0] != kb || asd[1] != m || bsd[0] != nb || bsd[1] < kb ||
+      bsd[1] % 4 != 0)
+    return ffi::Error::InvalidArgument("fp8 block GEMM: inconsistent operand shapes");
+  int out_type;
+  if (out->element_type() == ffi::BF16) {
+    out_type = kCudaR16BF;
+  } else if (out->element_type() == ffi::F32) {
+    out_type = kCudaR32F;
+  } else {
+    return ffi::Error::InvalidArgument("fp8 block GEMM: the output must be bfloat16 or float32");
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  Handle handle;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    std::string err = LoadLocked();
+    if (!err.empty()) return ffi::Error::Internal(err);
+    auto it = g_handles.find(device);
+    if (it == g_handles.end()) {
+      Handle h;
+      LT_CHECK(g_lt.Create(&h), "handle");
+      it = g_handles.emplace(device, h).first;
+    }
+    handle = it->second;
+  }
+  PlanKey key{device, m, n, k, out_type};
+  auto it = t_plans.find(key);
+  if (it == t_plans.end()) {
+    Plan plan;
+    ffi::Error e = MakePlan(handle, m, n, k, out_type, &plan);
+    if (e.failure()) return e;
+    it = t_plans.emplace(key, plan).first;
+  }
+  Plan& plan = it->second;
+  const void* sa = b_scale.typed_data();    // cuBLAS A = our weight
+  const void* sb = a_scale_t.typed_data();  // cuBLAS B = our activations
+  LT_CHECK(g_lt.MatmulDescSetAttribute(plan.desc, kDescAScalePtr, &sa, sizeof(sa)), "A scale pointer");
+  LT_CHECK(g_lt.MatmulDescSetAttribute(plan.desc, kDescBScalePtr, &sb, sizeof(sb)), "B scale pointer");
+  void* workspace = nullptr;
+  if (plan.workspace > 0) {
+    std::optional<void*> w = scratch.Allocate(plan.workspace, 256);
+    if (!w.has_value()) return ffi::Error::Internal("fp8 block GEMM: no workspace memory");
+    workspace = *w;
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  void* d = out->untyped_data();
+  LT_CHECK(g_lt.Matmul(handle, plan.desc, &alpha, b.untyped_data(), plan.a, a.untyped_data(), plan.b, &beta, d,
+                       plan.d, d, plan.d, &plan.algo, workspace, plan.workspace, stream),
+           "matmul");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemm, Fp8BlockGemm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<Stream>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+extern "C" {
+
+// The libcublasLt to dlopen at the first call (the one jax's CUDA plugin uses); before any call.
+void fp8rl_cublaslt_set_library(const char* path) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_library_path = path != nullptr ? path : "";
+}
+
+// Loads cuBLASLt now; writes why it failed (empty: loaded) into msg. Returns the cuBLASLt version or 0.
+size_t fp8rl_cublaslt_load(char* msg, size_t msg_size) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::string err = LoadLocked();
+  if (msg != nullptr && msg_size > 0) {
+    std::strncpy(msg, err.c_str(), msg_size - 1);
+    msg[msg_size - 1] = '\0';
+  }
+  return err.empty() ? g_lt.GetVersion() : 0;
+}
+
+}  // extern "C"

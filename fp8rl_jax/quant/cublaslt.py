@@ -1,0 +1,182 @@
+"""cuBLASLt's block-scaled FP8 GEMM as a JAX op (an XLA FFI custom call), for NVIDIA GPUs.
+
+The W8A8 GEMM of `pallas_kernels.fp8_gemm` (same arguments, same math, `fp8_gemm_reference` is its
+reference): ``out [M, N] = A [M, K] @ B [N, K]^T`` with E4M3 operands, ``a_scale`` per token in 1x128
+groups and ``b_scale_inv`` per 128x128 block, float32 accumulation, bf16 or f32 out. cuBLAS (>= 12.9)
+does it with ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`` x ``BLK128x128_32F`` on Hopper: the scaling
+recipe and library of torch's ``scaled_mm`` BlockWise1x128 x BlockWise128x128, which ran at
+1.1-1.3 PFLOP/s on the H200 at prefill sizes where our Mosaic kernel did ~0.6-0.7 (2026-11-30,
+experiments/results/gemm_h200.md). A well-kept library does this GEMM, so we call it rather than
+out-tune it; the Mosaic kernel stays the choice where it measures faster, and the dispatcher picks
+(``W8A8Policy.gemm`` / ``FP8RL_FP8_GEMM``).
+
+How: ``csrc/cublaslt_fp8_gemm.cc`` is a small XLA FFI handler that needs no CUDA header to build
+(g++ and jaxlib's FFI headers): it declares the few cuBLASLt entry points it calls and dlopens
+cuBLASLt at the first call, the copy jax's CUDA plugin uses (``nvidia/cu13/lib``). `load` compiles
+it once into a cache folder (keyed by the source and jaxlib version; ``FP8RL_CACHE_DIR`` or
+``~/.cache/fp8rl_jax``) and registers the handler for the CUDA platform. Layout (cuBLAS is
+column-major, so it computes ``out^T = B . A^T``): the weight is cuBLAS's A operand (K-major,
+transposed) with its 128x128 scales as stored, ``[N/128, K/128]`` with the K blocks padded to a
+multiple of 4; the activations are its B operand (K-major) with the 1x128 scales transposed to
+``[K/128, M]``; M is padded to a multiple of 16 (zero rows) so every leading dimension is 16-byte
+aligned. The wrapper does those (small) copies; the handler checks shapes and dtypes again and
+caches cuBLASLt's algorithm choice per (device, M, N, K, out dtype) and thread.
+
+Limits: E4M3 only; K a multiple of 128, N a multiple of 16; out bfloat16 or float32; CUDA only
+(anywhere else `fp8_gemm_cublaslt` raises and `available` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_gemm import BK, _check_operands
+
+__all__ = ["SOURCE", "FFI_TARGET", "available", "build", "find_cublaslt", "fp8_gemm_cublaslt", "load", "supports"]
+
+SOURCE = Path(__file__).with_name("csrc") / "cublaslt_fp8_gemm.cc"
+CHECK_SOURCE = SOURCE.with_name("cublaslt_check.cc")
+FFI_TARGET = "fp8rl_cublaslt_fp8_block_gemm"
+_HANDLER = "Fp8rlCublasLtFp8BlockGemm"
+_M_ALIGN = 16
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FP8RL_CACHE_DIR", Path.home() / ".cache" / "fp8rl_jax"))
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("building the cuBLASLt FP8 GEMM needs a C++17 compiler (g++ or $CXX); none found")
+    return cxx
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the FFI handler (once: the library is named by a hash of the source, jaxlib's version
+    and the compiler) and return the shared library's path."""
+    import jaxlib
+
+    cxx = _compiler()
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha256(src + jaxlib.__version__.encode() + cxx.encode()).hexdigest()[:16]
+    out_dir = cache_dir() if out_dir is None else Path(out_dir)
+    lib = out_dir / f"libfp8rl_cublaslt_{tag}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir(), str(SOURCE),
+               "-o", str(tmp_lib), "-ldl"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+        os.replace(tmp_lib, lib)  # atomic: concurrent builders leave one complete library
+    return lib
+
+
+def _site_dirs() -> list[Path]:
+    dirs = [Path(p) for p in sys.path if p]
+    try:
+        dirs += [Path(p) for p in site.getsitepackages()]
+    except AttributeError:  # some virtualenvs
+        pass
+    return dirs
+
+
+def find_cublaslt() -> Path | None:
+    """The libcublasLt of the pip NVIDIA packages jax's CUDA plugin loads (CUDA 13, then 12), if any."""
+    for d in _site_dirs():
+        for rel in ("nvidia/cu13/lib/libcublasLt.so.13", "nvidia/cublas/lib/libcublasLt.so.13",
+                    "nvidia/cublas/lib/libcublasLt.so.12"):
+            if (d / rel).exists():
+                return d / rel
+    return None
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """Build (once), load and register the handler for the CUDA platform; cuBLASLt itself is
+    loaded by `available` or at the first call."""
+    lib = ctypes.CDLL(str(build()))
+    lib.fp8rl_cublaslt_set_library.argtypes = [ctypes.c_char_p]
+    lib.fp8rl_cublaslt_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.fp8rl_cublaslt_load.restype = ctypes.c_size_t
+    path = find_cublaslt()
+    lib.fp8rl_cublaslt_set_library(str(path).encode() if path else b"")
+    jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(getattr(lib, _HANDLER)), platform="CUDA")
+    return lib
+
+
+def cublaslt_version() -> tuple[int, str]:
+    """(cuBLASLt version, "") once it loads, else (0, why not)."""
+    msg = ctypes.create_string_buffer(1024)
+    version = load().fp8rl_cublaslt_load(msg, len(msg))
+    return int(version), msg.value.decode()
+
+
+@functools.cache
+def available() -> tuple[bool, str]:
+    """Whether `fp8_gemm_cublaslt` can run here, and why not: a CUDA GPU backend, the handler built,
+    and a cuBLASLt with block-scaled FP8 (>= 12.9)."""
+    if jax.default_backend() != "gpu" or "rocm" in str(getattr(jax.devices()[0].client, "platform_version", "")).lower():
+        return False, f"needs a CUDA GPU backend (jax.default_backend() is {jax.default_backend()!r})"
+    try:
+        version, why = cublaslt_version()
+    except Exception as e:  # no compiler, no cuBLASLt...
+        return False, f"{type(e).__name__}: {e}"
+    return (version > 0), why
+
+
+def supports(n: int, k: int, out_dtype=jnp.bfloat16) -> bool:
+    """Whether `fp8_gemm_cublaslt` takes this weight shape and output dtype (any M)."""
+    return (k % BK == 0 and n % _M_ALIGN == 0
+            and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
+
+
+def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
+                      out_dtype=jnp.bfloat16) -> jax.Array:
+    """Block-scaled FP8 ``A @ B^T`` by cuBLASLt (module note): the arguments of
+    `pallas_kernels.fp8_gemm.fp8_gemm`; ``K % 128 == 0``, ``N % 16 == 0``, out bfloat16 or float32."""
+    out_dtype = _check_operands(a, a_scale, b, b_scale_inv, out_dtype)
+    m, k = a.shape
+    n = b.shape[0]
+    if k % BK:
+        raise ValueError(f"fp8_gemm_cublaslt needs K % {BK} == 0, got K={k}; use pallas_kernels.fp8_gemm.fp8_gemm")
+    if n % _M_ALIGN:
+        raise ValueError(f"fp8_gemm_cublaslt needs N % {_M_ALIGN} == 0, got N={n}; use pallas_kernels.fp8_gemm.fp8_gemm")
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"fp8_gemm_cublaslt writes bfloat16 or float32, got out_dtype={out_dtype}")
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"fp8_gemm_cublaslt cannot run here: {why}")
+    return _call(a, a_scale, b, b_scale_inv, out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _call(a, a_scale, b, b_scale_inv, out_dtype):
+    m, k = a.shape
+    n = b.shape[0]
+    mp = -(-m // _M_ALIGN) * _M_ALIGN
+    kb = k // BK
+    as_t = a_scale.T  # [K/128, M]: cuBLAS's 1x128 scales are M-contiguous
+    if mp != m:
+        a = jnp.pad(a, ((0, mp - m), (0, 0)))
+        as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
+    kb4 = -(-kb // 4) * 4  # the 128x128 scales' leading dimension: K blocks rounded up to 4
+    bs = b_scale_inv if kb4 == kb else jnp.pad(b_scale_inv, ((0, 0), (0, kb4 - kb)))
+    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs)
+    return out[:m] if mp != m else out

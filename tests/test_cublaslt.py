@@ -1,0 +1,184 @@
+"""cuBLASLt block-scaled FP8 GEMM (``fp8rl_jax.quant.cublaslt``): the FFI handler builds, loads and
+explains what it lacks on any machine; its cuBLASLt declarations match cublasLt.h wherever that header
+is installed; the dispatcher routes to it; on the GPU it matches the jnp reference."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp8rl_jax.models.policy import Kernels, Proj, Site
+from fp8rl_jax.quant import cublaslt, quantize_activations, quantize_weight_blockwise
+from fp8rl_jax.quant.policy import GemmBackend, W8A8Policy
+from pallas_kernels.fp8_gemm import fp8_gemm_reference
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _operands(m, n, k, seed):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32) * jnp.exp2(jax.random.randint(kx, (m, 1), -4, 5).astype(jnp.float32))
+    w = jax.random.normal(kw, (n, k), jnp.float32) * jnp.exp2(jax.random.randint(kw, (n, 1), -6, 0).astype(jnp.float32))
+    qa, sa = quantize_activations(x)
+    qw = quantize_weight_blockwise(w)
+    return qa, sa, qw.q, qw.scale_inv
+
+
+def _load_copy(tmp_path: Path, library: str) -> ctypes.CDLL:
+    """A private copy of the handler library (own globals), pointed at ``library``."""
+    lib = ctypes.CDLL(str(cublaslt.build(tmp_path)))
+    lib.fp8rl_cublaslt_set_library.argtypes = [ctypes.c_char_p]
+    lib.fp8rl_cublaslt_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.fp8rl_cublaslt_load.restype = ctypes.c_size_t
+    lib.fp8rl_cublaslt_set_library(library.encode())
+    return lib
+
+
+def test_handler_builds_once_and_reports_a_missing_cublaslt(tmp_path):
+    lib_path = cublaslt.build(tmp_path)
+    assert lib_path.exists() and cublaslt.build(tmp_path) == lib_path  # cached by source hash
+    lib = _load_copy(tmp_path, "/nonexistent/libcublasLt.so.13")
+    assert hasattr(lib, "Fp8rlCublasLtFp8BlockGemm")
+    msg = ctypes.create_string_buffer(2048)
+    version = lib.fp8rl_cublaslt_load(msg, len(msg))
+    if version == 0:  # no cuBLASLt on the loader path either (CI): the message names what was tried
+        assert "could not load cuBLASLt" in msg.value.decode() and "/nonexistent/libcublasLt.so.13" in msg.value.decode()
+    else:  # a machine with cuBLASLt installed falls back to its soname
+        assert version >= 120900 and msg.value == b""
+
+
+def test_resolves_every_entry_point_of_an_installed_cublaslt(tmp_path):
+    """The dlsym of every entry point the handler calls, against the pip NVIDIA package's library
+    where one is installed (the GPU image; jax[cuda13] installs it)."""
+    found = cublaslt.find_cublaslt()
+    if found is None:
+        pytest.skip("no pip nvidia-cublas here (CPU-only jax); runs on the device")
+    msg = ctypes.create_string_buffer(2048)
+    version = _load_copy(tmp_path, str(found)).fp8rl_cublaslt_load(msg, len(msg))
+    assert version >= 120900, msg.value.decode()
+
+
+def _cublas_include_dirs() -> list[str] | None:
+    for root in [Path("/usr/local/cuda/include")] + [d / "nvidia" / sub / "include" for d in cublaslt._site_dirs()
+                                                      for sub in ("cu13", "cublas")]:
+        if (root / "cublasLt.h").exists():
+            dirs = [root] + [root / "cccl"] * (root / "cccl").is_dir()
+            cuda_rt = root.parent.parent / "cuda_runtime" / "include"  # CUDA 12 wheels split the headers
+            return [str(d) for d in dirs + [cuda_rt] * cuda_rt.is_dir()]
+    return None
+
+
+def test_declarations_match_cublaslt_h():
+    """cublaslt_check.cc static_asserts the handler's constants and struct layouts against the real
+    cublasLt.h (installed with the CUDA toolkit or the pip NVIDIA headers)."""
+    inc = _cublas_include_dirs()
+    if inc is None:
+        pytest.skip("cublasLt.h is not installed here; runs on the device (CUDA toolkit)")
+    cmd = [cublaslt._compiler(), "-std=c++17", "-fsyntax-only", "-isystem", jax.ffi.include_dir()]
+    for d in inc:
+        cmd += ["-isystem", d]
+    proc = subprocess.run(cmd + [str(cublaslt.CHECK_SOURCE)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_wrapper_validates_and_explains_where_it_cannot_run():
+    qa, sa, qb, sb = _operands(8, 256, 256, 0)
+    with pytest.raises(ValueError, match="K % 128 == 0"):
+        a2, s2 = quantize_activations(jnp.ones((8, 200), jnp.float32))
+        w2 = quantize_weight_blockwise(jnp.ones((256, 200), jnp.float32))
+        cublaslt.fp8_gemm_cublaslt(a2, s2, w2.q, w2.scale_inv)
+    w3 = quantize_weight_blockwise(jnp.ones((200, 256), jnp.float32))
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        cublaslt.fp8_gemm_cublaslt(qa, sa, w3.q, w3.scale_inv)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb, out_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="b_scale_inv has shape"):
+        cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb[:1])
+    assert cublaslt.supports(6144, 4096) and not cublaslt.supports(6144, 4000) and not cublaslt.supports(100, 4096)
+    if not ON_GPU:
+        ok, why = cublaslt.available()
+        assert not ok and "CUDA GPU" in why
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb)
+
+
+def test_gemm_backend_resolution(monkeypatch):
+    monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
+    assert GemmBackend.AUTO.resolve() is GemmBackend.MOSAIC
+    monkeypatch.setenv("FP8RL_FP8_GEMM", "cublaslt")
+    assert GemmBackend.AUTO.resolve() is GemmBackend.CUBLASLT
+    assert GemmBackend.MOSAIC.resolve() is GemmBackend.MOSAIC  # an explicit choice wins over the variable
+    monkeypatch.setenv("FP8RL_FP8_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="FP8RL_FP8_GEMM must be one of"):
+        GemmBackend.AUTO.resolve()
+
+
+def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):
+    """With gemm=cublaslt on a (stand-in) GPU the dense FP8 matmul calls cuBLASLt with the quantized
+    activations and the weight as stored; a shape it does not take goes to the Pallas kernels."""
+    import fp8rl_jax.quant.policy as P
+
+    calls = []
+
+    def fake(xq, xs, q, s, out_dtype):
+        calls.append((xq.shape, q.shape, jnp.dtype(out_dtype)))
+        return fp8_gemm_reference(xq, xs, q, s, out_dtype=out_dtype)
+
+    monkeypatch.setattr(P.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(P.cublaslt, "available", lambda: (True, ""))
+    monkeypatch.setattr(P.cublaslt, "fp8_gemm_cublaslt", fake)
+    monkeypatch.setattr(P.mgpu_kernel, "fp8_gemm_mgpu", lambda *a, **k: pytest.fail("the Mosaic kernel ran"))
+    monkeypatch.setattr(P.gemm_kernel, "fp8_gemm",
+                        lambda xq, xs, q, s, out_dtype, interpret: fp8_gemm_reference(xq, xs, q, s, out_dtype=out_dtype))
+    policy = W8A8Policy("float32", kernels=Kernels.PALLAS, gemm=GemmBackend.CUBLASLT)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 256), jnp.float32)
+    w = quantize_weight_blockwise(jax.random.normal(jax.random.key(2), (384, 256), jnp.float32) * 0.1)
+    y = policy.dot(x, w, Site(0, Proj.Q))
+    ref = W8A8Policy("float32", kernels=Kernels.REFERENCE).dot(x, w, Site(0, Proj.Q))
+    assert calls == [((15, 256), (384, 256), jnp.dtype(jnp.float32))] and y.shape == (3, 5, 384)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    odd = quantize_weight_blockwise(jax.random.normal(jax.random.key(3), (200, 256), jnp.float32))  # N % 16 != 0
+    policy.dot(x, odd, Site(0, Proj.Q))
+    assert len(calls) == 1
+    monkeypatch.setattr(P.cublaslt, "available", lambda: (False, "no cuBLASLt here"))
+    with pytest.raises(RuntimeError, match="no cuBLASLt here"):
+        policy.dot(x, w, Site(0, Proj.Q))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU; run on the device (README: GPU tests)")
+class TestGpu:
+    @pytest.mark.parametrize("m", [1, 100, 256, 4096])
+    @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (6144, 4096), (4096, 12288), (256, 768)])
+    def test_matches_reference(self, m, n, k):
+        qa, sa, qb, sb = _operands(m, n, k, seed=m + n + k)
+        ref = np.asarray(fp8_gemm_reference(qa, sa, qb, sb, out_dtype=jnp.float32))
+        for out_dtype, tol in ((jnp.float32, 2e-3), (jnp.bfloat16, 1e-2)):
+            out = np.asarray(cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb, out_dtype=out_dtype), np.float32)
+            assert out.shape == (m, n)
+            err = np.max(np.abs(out - ref)) / np.max(np.abs(ref))
+            assert err <= tol, f"M={m} N={n} K={k} {out_dtype}: rel err {err:.2e}"
+
+    def test_inside_a_jitted_loop_and_the_policy(self, monkeypatch):
+        """Called from a scan (the decode loop's shape of use) and through W8A8Policy."""
+        qa, sa, qb, sb = _operands(64, 1024, 4096, seed=7)
+
+        @jax.jit
+        def loop(qa, sa):
+            def body(c, i):
+                return c + cublaslt.fp8_gemm_cublaslt(qa, sa * (1.0 + i), qb, sb, out_dtype=jnp.float32), None
+            return jax.lax.scan(body, jnp.zeros((64, 1024), jnp.float32), jnp.arange(3.0))[0]
+
+        ref = fp8_gemm_reference(qa, sa, qb, sb, out_dtype=jnp.float32) * 6.0
+        np.testing.assert_allclose(np.asarray(loop(qa, sa)), np.asarray(ref), rtol=0, atol=2e-3 * float(jnp.max(jnp.abs(ref))))
+        x = jax.random.normal(jax.random.key(0), (2, 32, 4096), jnp.bfloat16)
+        w = quantize_weight_blockwise(jax.random.normal(jax.random.key(1), (1024, 4096), jnp.float32) * 0.02)
+        got = W8A8Policy(gemm=GemmBackend.CUBLASLT).dot(x, w, Site(0, Proj.O)).astype(jnp.float32)
+        want = W8A8Policy(gemm=GemmBackend.MOSAIC).dot(x, w, Site(0, Proj.O)).astype(jnp.float32)
+        assert float(jnp.max(jnp.abs(got - want))) <= 2e-2 * float(jnp.max(jnp.abs(want)))
