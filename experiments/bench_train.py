@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fp8rl_jax.environment import run_environment  # noqa: E402
+from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import DensePolicy, ModelConfig, init_params  # noqa: E402
 from fp8rl_jax.quant.training import Fp8TrainPolicy  # noqa: E402
@@ -96,6 +97,7 @@ def main(cfg: BenchConfig) -> dict:
     policies = {"bf16": DensePolicy("bfloat16"), "fp8": Fp8TrainPolicy.for_model(cfg.model, "bfloat16")}
     results = {
         "environment": run_environment(),
+        "fp8_gemm": GemmBackend.AUTO.resolve().value,  # fprop/dgrad GEMMs: Mosaic or cuBLASLt (FP8RL_FP8_GEMM)
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items() if k != "model"},
         "model": dataclasses.asdict(cfg.model),
         "runs": {},

@@ -108,6 +108,63 @@ def test_wrapper_validates_and_explains_where_it_cannot_run():
             cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb)
 
 
+def test_1d_wrapper_validates():
+    a = jnp.zeros((32, 300), jnp.float8_e4m3fn)
+    sa = jnp.ones((32, 3), jnp.float32)
+    with pytest.raises(ValueError, match="do not form"):
+        cublaslt.fp8_gemm_cublaslt_1d(a, sa, a, sa[:, :2])
+    with pytest.raises(ValueError, match="float8_e4m3fn matrix"):
+        cublaslt.fp8_gemm_cublaslt_1d(a.astype(jnp.bfloat16), sa, a, sa)
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        cublaslt.fp8_gemm_cublaslt_1d(a, sa, a[:20], sa[:20])
+    if not ON_GPU:
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            cublaslt.fp8_gemm_cublaslt_1d(a, sa, a, sa)
+        assert not cublaslt.one_d_available()
+
+
+def test_fp8_training_routes_fprop_dgrad_and_wgrad_to_cublaslt(monkeypatch):
+    """FP8RL_FP8_GEMM=cublaslt on a (stand-in) GPU: the trainer's fprop and dgrad call the block-scaled
+    GEMM and its wgrad the 1D x 1D one; the gradients equal the reference path's."""
+    import fp8rl_jax.quant.training as T
+    from fp8rl_jax.models.policy import Kernels as K
+    from fp8rl_jax.quant.training import Fp8TrainRecipe, fp8_linear
+
+    calls = []
+
+    def block(aq, a_s, bq, b_s, out_dtype):
+        calls.append("block")
+        return fp8_gemm_reference(aq, a_s, bq, b_s, out_dtype=out_dtype)
+
+    def one_d(a, a_s, b, b_s, out_dtype):
+        calls.append("1d")
+        deq = lambda q, s: (q.astype(jnp.float32).reshape(q.shape[0], -1, 128) * s[..., None]).reshape(q.shape)
+        return jnp.dot(deq(a, a_s), deq(b, b_s).T, precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
+
+    monkeypatch.setenv("FP8RL_FP8_GEMM", "cublaslt")
+    monkeypatch.setattr(T, "_interpret", lambda: False)
+    monkeypatch.setattr(T.cublaslt, "available", lambda: (True, ""))
+    monkeypatch.setattr(T.cublaslt, "one_d_available", lambda: True)
+    monkeypatch.setattr(T.cublaslt, "fp8_gemm_cublaslt", block)
+    monkeypatch.setattr(T.cublaslt, "fp8_gemm_cublaslt_1d", one_d)
+    monkeypatch.setattr(T, "quantize_weight", lambda w, block_size, kernels: quantize_weight_blockwise(w, block_size))
+    kx, kw, kd = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(kx, (256, 256), jnp.float32)
+    w = jax.random.normal(kw, (128, 256), jnp.float32) * 0.1
+    dy = jax.random.normal(kd, (256, 128), jnp.float32)
+
+    def grads(recipe):
+        y, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, recipe, dtype=jnp.float32), x, w)
+        return (y, *vjp(dy))
+
+    got = grads(Fp8TrainRecipe(kernels=K.PALLAS))
+    assert calls == ["block", "block", "1d"], calls
+    want = grads(Fp8TrainRecipe(kernels=K.REFERENCE))
+    for g, r in zip(got, want):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
+
+
 def test_gemm_backend_resolution(monkeypatch):
     monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
     assert GemmBackend.AUTO.resolve() is GemmBackend.MOSAIC
@@ -182,3 +239,25 @@ class TestGpu:
         got = W8A8Policy(gemm=GemmBackend.CUBLASLT).dot(x, w, Site(0, Proj.O)).astype(jnp.float32)
         want = W8A8Policy(gemm=GemmBackend.MOSAIC).dot(x, w, Site(0, Proj.O)).astype(jnp.float32)
         assert float(jnp.max(jnp.abs(got - want))) <= 2e-2 * float(jnp.max(jnp.abs(want)))
+
+    @pytest.mark.parametrize("m,n,c", [(4096, 4096, 8192), (1024, 4096, 3000), (100, 768, 640)])
+    def test_1d_matches_reference_or_says_why_not(self, m, n, c):
+        """The wgrad's 1x128 x 1x128 scaling: against the dequantized float32 product where this cuBLASLt
+        runs it, else a clear error naming the scaling (and `one_d_available` says False)."""
+        ka, kb = jax.random.split(jax.random.key(m + n + c))
+        a, sa = quantize_activations(jax.random.normal(ka, (m, c), jnp.float32))
+        b, sb = quantize_activations(jax.random.normal(kb, (n, c), jnp.float32) * 0.01)
+        if not cublaslt.one_d_available():
+            with pytest.raises(Exception, match="1x128 x 1x128"):
+                jax.block_until_ready(cublaslt.fp8_gemm_cublaslt_1d(a, sa, b, sb))
+            return
+        ref = _deq64(a, sa) @ _deq64(b, sb).T
+        out = np.asarray(cublaslt.fp8_gemm_cublaslt_1d(a, sa, b, sb), np.float64)
+        assert out.shape == (m, n)
+        assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) <= 2e-3
+
+
+def _deq64(q, s) -> np.ndarray:
+    """float64 codes x their 1x128 group scales."""
+    q = np.asarray(q.astype(jnp.float32), np.float64)
+    return q * np.repeat(np.asarray(s, np.float64), 128, axis=1)[:, : q.shape[1]]

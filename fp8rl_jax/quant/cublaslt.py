@@ -22,8 +22,13 @@ multiple of 4; the activations are its B operand (K-major) with the 1x128 scales
 aligned. The wrapper does those (small) copies; the handler checks shapes and dtypes again and
 caches cuBLASLt's algorithm choice per (device, M, N, K, out dtype) and thread.
 
-Limits: E4M3 only; K a multiple of 128, N a multiple of 16; out bfloat16 or float32; CUDA only
-(anywhere else `fp8_gemm_cublaslt` raises and `available` says why).
+`fp8_gemm_cublaslt_1d` is the same call with 1x128 scales on *both* operands (``VEC128_32F`` for
+cuBLAS's A too, its scales ``[C/128, N]``): the weight gradient of FP8 training, where both operands
+are grouped along the token axis. Whether a cuBLASLt runs that scaling is probed once
+(`one_d_available`); the trainer falls back to BF16 tensor cores where it does not.
+
+Limits: E4M3 only; K a multiple of 128 (the 1D call pads its contraction), N a multiple of 16; out
+bfloat16 or float32; CUDA only (anywhere else the calls raise and `available` says why).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.fp8_gemm import BK, _check_operands
 
-__all__ = ["SOURCE", "FFI_TARGET", "available", "build", "find_cublaslt", "fp8_gemm_cublaslt", "load", "supports"]
+__all__ = ["FFI_TARGET", "SOURCE", "available", "build", "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d",
+           "load", "one_d_available", "supports"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cublaslt_fp8_gemm.cc"
 CHECK_SOURCE = SOURCE.with_name("cublaslt_check.cc")
@@ -81,7 +87,7 @@ def build(out_dir: Path | None = None) -> Path:
         tmp_lib = Path(tmp) / lib.name
         cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir(), str(SOURCE),
                "-o", str(tmp_lib), "-ldl"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
         os.replace(tmp_lib, lib)  # atomic: concurrent builders leave one complete library
@@ -152,7 +158,7 @@ def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_in
     """Block-scaled FP8 ``A @ B^T`` by cuBLASLt (module note): the arguments of
     `pallas_kernels.fp8_gemm.fp8_gemm`; ``K % 128 == 0``, ``N % 16 == 0``, out bfloat16 or float32."""
     out_dtype = _check_operands(a, a_scale, b, b_scale_inv, out_dtype)
-    m, k = a.shape
+    k = a.shape[1]
     n = b.shape[0]
     if k % BK:
         raise ValueError(f"fp8_gemm_cublaslt needs K % {BK} == 0, got K={k}; use pallas_kernels.fp8_gemm.fp8_gemm")
@@ -178,5 +184,62 @@ def _call(a, a_scale, b, b_scale_inv, out_dtype):
         as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
     kb4 = -(-kb // 4) * 4  # the 128x128 scales' leading dimension: K blocks rounded up to 4
     bs = b_scale_inv if kb4 == kb else jnp.pad(b_scale_inv, ((0, 0), (0, kb4 - kb)))
-    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs)
+    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs, b_blocks=True)
     return out[:m] if mp != m else out
+
+
+def fp8_gemm_cublaslt_1d(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, *,
+                         out_dtype=jnp.float32) -> jax.Array:
+    """``A [M, C] @ B [N, C]^T`` with 1x128 scales along the contraction on *both* operands
+    (``a_scale [M, ceil(C/128)]``, ``b_scale [N, ceil(C/128)]``): the weight gradient of FP8 training
+    (tokens as the contraction). C is zero-padded to a multiple of 128 (exact); ``N % 16 == 0``."""
+    for name, x in (("a", a), ("b", b)):
+        if x.ndim != 2 or jnp.dtype(x.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+            raise ValueError(f"{name} must be a float8_e4m3fn matrix, got {x.dtype}{tuple(x.shape)}")
+    (m, c), (n, c_b) = a.shape, b.shape
+    cb = -(-c // BK)
+    if c != c_b or tuple(a_scale.shape) != (m, cb) or tuple(b_scale.shape) != (n, cb):
+        raise ValueError(f"fp8_gemm_cublaslt_1d: a {tuple(a.shape)}, a_scale {tuple(a_scale.shape)}, b {tuple(b.shape)}, "
+                         f"b_scale {tuple(b_scale.shape)} do not form [M, C], [M, C/128], [N, C], [N, C/128]")
+    if n % _M_ALIGN:
+        raise ValueError(f"fp8_gemm_cublaslt_1d needs N % {_M_ALIGN} == 0, got N={n}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"fp8_gemm_cublaslt_1d writes bfloat16 or float32, got out_dtype={out_dtype}")
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"fp8_gemm_cublaslt_1d cannot run here: {why}")
+    return _call_1d(a, a_scale.astype(jnp.float32), b, b_scale.astype(jnp.float32), out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _call_1d(a, a_scale, b, b_scale, out_dtype):
+    m, c = a.shape
+    n = b.shape[0]
+    cp = -(-c // BK) * BK
+    mp = -(-m // _M_ALIGN) * _M_ALIGN
+    if cp != c:  # zero codes in the padding: their products are exactly 0 whatever the group's scale
+        a = jnp.pad(a, ((0, 0), (0, cp - c)))
+        b = jnp.pad(b, ((0, 0), (0, cp - c)))
+    as_t, bs_t = a_scale.T, b_scale.T  # [C/128, M], [C/128, N]: both M/N-contiguous
+    if mp != m:
+        a = jnp.pad(a, ((0, mp - m), (0, 0)))
+        as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
+    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs_t, b_blocks=False)
+    return out[:m] if mp != m else out
+
+
+@functools.cache
+def one_d_available() -> bool:
+    """Whether this GPU's cuBLASLt runs the 1x128 x 1x128 scaling (`fp8_gemm_cublaslt_1d`): probed once
+    with a 128 x 128 x 128 product, eagerly."""
+    if not available()[0]:
+        return False
+    try:
+        with jax.ensure_compile_time_eval():  # concrete even when asked while tracing
+            z = jnp.zeros((128, 128), jnp.float8_e4m3fn)
+            s = jnp.ones((128, 1), jnp.float32)
+            jax.block_until_ready(_call_1d(z, s, z, s, jnp.dtype(jnp.float32)))
+        return True
+    except Exception:  # cuBLASLt has no algorithm for it: the handler's error
+        return False

@@ -72,10 +72,12 @@ HIGHEST precision: exact products, float32 sums, the same math as the kernel's p
 promotion in another order. On a GPU backend (``AUTO``) or with ``Kernels.PALLAS`` the weight
 quantization runs ``pallas_kernels.fp8_quant`` (bit-identical), and the fprop and the dgrad run
 ``pallas_kernels.fp8_gemm_mgpu`` (TMA + wgmma; ``pallas_kernels.fp8_gemm`` for shapes it does not
-take) when the block is 128x128 and the operands are E4M3 (dgrad with E5M2 gradients falls back
+take), or cuBLASLt's block-scaled FP8 with ``FP8RL_FP8_GEMM=cublaslt`` (``fp8rl_jax.quant.cublaslt``),
+when the block is 128x128 and the operands are E4M3 (dgrad with E5M2 gradients falls back
 to the reference). The wgrad (per-row scales on *both* operands) multiplies the FP8 codes
 dequantized to BF16 on the BF16 tensor cores (``_wgrad``: within 2^-9 of the reference, far
-below the FP8 step) until a 1Dx1D-scaled FP8 kernel exists; the MoE GEMMs use the reference.
+below the FP8 step), or in FP8 on cuBLASLt's 1Dx1D scaling with ``FP8RL_FP8_GEMM=cublaslt`` where the
+GPU's cuBLASLt has it; the MoE GEMMs use the reference.
 
 Where we deviate, and why
 -------------------------
@@ -112,7 +114,8 @@ import jax.numpy as jnp
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, MatmulPolicy, Site
 from fp8rl_jax.quant.fp8 import Fp8Format, QuantizedWeight, dequantize_activations, quantize_activations
-from fp8rl_jax.quant.policy import Kernels, LayerPolicy, quantize_weight
+from fp8rl_jax.quant import cublaslt
+from fp8rl_jax.quant.policy import GemmBackend, Kernels, LayerPolicy, quantize_weight
 from pallas_kernels import fp8_gemm as gemm_kernel
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel
 
@@ -199,10 +202,14 @@ def _interpret() -> bool:
 
 
 def _block_gemm(aq: jax.Array, a_s: jax.Array, bq: jax.Array, b_s: jax.Array, dt: Any) -> jax.Array:
-    """FP8 ``A [M, K] (1x128) @ B [N, K]ᵀ (128x128)`` on the Pallas kernels, as ``W8A8Policy`` picks
-    them: the Mosaic GPU kernel (TMA + wgmma) where it takes the shape, else the Triton one."""
+    """FP8 ``A [M, K] (1x128) @ B [N, K]ᵀ (128x128)`` on the GPU GEMMs, as ``W8A8Policy`` picks
+    them: cuBLASLt's block-scaled FP8 when ``FP8RL_FP8_GEMM=cublaslt`` (`GemmBackend`) and it takes
+    the shape, else the Mosaic GPU kernel (TMA + wgmma) where it takes the shape, else the Triton one."""
     m, k = aq.shape
     n = bq.shape[0]
+    if (not _interpret() and GemmBackend.AUTO.resolve() is GemmBackend.CUBLASLT and cublaslt.supports(n, k, dt)
+            and cublaslt.available()[0]):
+        return cublaslt.fp8_gemm_cublaslt(aq, a_s, bq, b_s, out_dtype=dt)
     if mgpu_kernel.supports(m, n, k):
         return mgpu_kernel.fp8_gemm_mgpu(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
     return gemm_kernel.fp8_gemm(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
@@ -216,9 +223,15 @@ def _wgrad(dytq, dyts, xtq, xts, group: int, kernels: bool) -> jax.Array:
     tensor cores with float32 accumulation: an E4M3 code has 4 significant bits, so ``code x
     scale`` rounded to BF16's 8 loses at most 2^-9 relative, 32x below the FP8 quantization step
     (2^-4) that defines the recipe; float32 HIGHEST dots run at a small fraction of the tensor
-    cores' rate. A kernel with per-row scales on both operands (1Dx1D) would run it in FP8."""
+    cores' rate. With ``FP8RL_FP8_GEMM=cublaslt`` and E4M3 gradients it runs in FP8 on cuBLASLt's 1Dx1D
+    scaling where this GPU's cuBLASLt has it (`cublaslt.one_d_available`)."""
     if not kernels:
         return _dot_nt(_deq_rows(dytq, dyts, group), _deq_rows(xtq, xts, group))
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    if (group == 128 and not _interpret() and GemmBackend.AUTO.resolve() is GemmBackend.CUBLASLT
+            and jnp.dtype(dytq.dtype) == fp8 and jnp.dtype(xtq.dtype) == fp8 and xtq.shape[0] % 16 == 0
+            and cublaslt.one_d_available()):  # FP8 x FP8 on the tensor cores, 1D x 1D scales
+        return cublaslt.fp8_gemm_cublaslt_1d(dytq, dyts, xtq, xts, out_dtype=jnp.float32)
     a = dequantize_activations(dytq, dyts, group, dtype=jnp.bfloat16)
     b = dequantize_activations(xtq, xts, group, dtype=jnp.bfloat16)
     return jax.lax.dot_general(a, b, DENSE_DN, preferred_element_type=jnp.float32)

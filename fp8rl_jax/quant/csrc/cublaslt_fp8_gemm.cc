@@ -2,6 +2,8 @@
 //
 //   out [M, N] = (A [M, K] x a_scale 1x128) @ (B [N, K] x b_scale_inv 128x128)^T, float32 accumulation,
 //
+// or, with the attribute b_blocks = false, B's scales 1x128 per row as well (the 1D x 1D scaling of an FP8
+// training's weight gradient, both operands grouped along the contraction);
 // the math of pallas_kernels.fp8_gemm (DeepSeek-V3 / vLLM block scales), done by cuBLASLt's block-scaled
 // FP8 matmul (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F x BLK128x128_32F, cuBLAS >= 12.9, Hopper). cuBLAS is
 // column-major, so it computes out^T [N, M] = B [N, K] . A^T: its "A" operand is our weight (K-major, TRANSA = T,
@@ -143,7 +145,7 @@ std::string StatusName(Status s) {
 #define LT_CHECK(expr, what)                                                                          \
   do {                                                                                                \
     Status _s = (expr);                                                                       \
-    if (_s != kSuccess) return ffi::Error::Internal(std::string("cuBLASLt ") + what + ": " + StatusName(_s)); \
+    if (_s != kSuccess) return ffi::Error::Internal(std::string("cuBLASLt ") + (what) + ": " + StatusName(_s)); \
   } while (0)
 
 // Layouts and the chosen algorithm of one problem shape, per thread (descriptors are not shared between
@@ -154,23 +156,24 @@ struct Plan {
   Algo algo;
   size_t workspace = 0;
 };
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int>;
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int32_t>;
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     size_t h = 0;
     auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
     mix(std::get<0>(k)); mix(std::get<1>(k)); mix(std::get<2>(k)); mix(std::get<3>(k)); mix(std::get<4>(k));
+    mix(std::get<5>(k));
     return h;
   }
 };
 thread_local std::unordered_map<PlanKey, Plan, PlanKeyHash> t_plans;
 
-ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type, Plan* plan) {
+ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type, int32_t b_mode, Plan* plan) {
   LT_CHECK(g_lt.MatmulDescCreate(&plan->desc, kComputeF32, kCudaR32F), "matmul descriptor");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransA, &kOpT, sizeof(kOpT)), "TRANSA");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransB, &kOpN, sizeof(kOpN)), "TRANSB");
-  LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescAScaleMode, &kScaleBlk128x128F32, sizeof(int32_t)),
-           "A scale mode (BLK128x128_32F)");
+  LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescAScaleMode, &b_mode, sizeof(int32_t)),
+           b_mode == kScaleBlk128x128F32 ? "A scale mode (BLK128x128_32F)" : "A scale mode (VEC128_32F)");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescBScaleMode, &kScaleVec128F32, sizeof(int32_t)),
            "B scale mode (VEC128_32F)");
   // column-major: A = weight as K x N (ld K), B = activations as K x M (ld K), D = out^T as N x M (ld N)
@@ -188,17 +191,20 @@ ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type
                                                  &result, &found);
   g_lt.MatmulPreferenceDestroy(pref);
   if (s != kSuccess || found == 0)
-    return ffi::Error::Internal("cuBLASLt has no block-scaled FP8 algorithm for M=" + std::to_string(m) +
+    return ffi::Error::Internal(std::string("cuBLASLt has no ") +
+                                (b_mode == kScaleBlk128x128F32 ? "1x128 x 128x128" : "1x128 x 1x128") +
+                                " block-scaled FP8 algorithm for M=" + std::to_string(m) +
                                 " N=" + std::to_string(n) + " K=" + std::to_string(k) + " (" + StatusName(s) + ")");
   plan->algo = result.algo;
   plan->workspace = result.workspaceSize;
   return ffi::Error::Success();
 }
 
-ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t device, ffi::AnyBuffer a,
-                        ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale,
-                        ffi::Result<ffi::AnyBuffer> out) {
-  // a [M, K] e4m3, a_scale_t [K/128, M], b [N, K] e4m3, b_scale [N/128, ld >= K/128, ld % 4 == 0], out [M, N]
+ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t device, bool b_blocks,
+                        ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b,
+                        ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out) {
+  // a [M, K] e4m3, a_scale_t [K/128, M], b [N, K] e4m3, out [M, N]; b_scale: with b_blocks (weights) the
+  // 128x128 scales [N/128, ld >= K/128, ld % 4 == 0], else 1x128 per row of b, transposed: [K/128, N]
   auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
   auto asd = a_scale_t.dimensions(), bsd = b_scale.dimensions();
   if (ad.size() != 2 || bd.size() != 2 || od.size() != 2 || asd.size() != 2 || bsd.size() != 2)
@@ -207,9 +213,10 @@ ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t de
     return ffi::Error::InvalidArgument("fp8 block GEMM: A and B must be float8_e4m3fn");
   const int64_t m = ad[0], k = ad[1], n = bd[0];
   const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
-  if (bd[1] != k || od[0] != m || od[1] != n || asd[0] != kb || asd[1] != m || bsd[0] != nb || bsd[1] < kb ||
-      bsd[1] % 4 != 0)
+  const bool b_ok = b_blocks ? (bsd[0] == nb && bsd[1] >= kb && bsd[1] % 4 == 0) : (bsd[0] == kb && bsd[1] == n);
+  if (bd[1] != k || od[0] != m || od[1] != n || asd[0] != kb || asd[1] != m || !b_ok)
     return ffi::Error::InvalidArgument("fp8 block GEMM: inconsistent operand shapes");
+  const int32_t b_mode = b_blocks ? kScaleBlk128x128F32 : kScaleVec128F32;
   int out_type;
   if (out->element_type() == ffi::BF16) {
     out_type = kCudaR16BF;
@@ -232,11 +239,11 @@ ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t de
     }
     handle = it->second;
   }
-  PlanKey key{device, m, n, k, out_type};
+  PlanKey key{device, m, n, k, out_type, b_mode};
   auto it = t_plans.find(key);
   if (it == t_plans.end()) {
     Plan plan;
-    ffi::Error e = MakePlan(handle, m, n, k, out_type, &plan);
+    ffi::Error e = MakePlan(handle, m, n, k, out_type, b_mode, &plan);
     if (e.failure()) return e;
     it = t_plans.emplace(key, plan).first;
   }
@@ -266,6 +273,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemm, Fp8BlockGemm,
                                   .Ctx<ffi::PlatformStream<Stream>>()
                                   .Ctx<ffi::ScratchAllocator>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<bool>("b_blocks")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
