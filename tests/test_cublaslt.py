@@ -108,6 +108,23 @@ def test_wrapper_validates_and_explains_where_it_cannot_run():
             cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb)
 
 
+def test_lowers_for_cuda_with_the_handlers_contract():
+    """On the CPU, lowered for CUDA: one custom call to the registered target with the operands the
+    handler decodes (M padded to 16, scales transposed / K blocks padded to 4) and its int32 attribute."""
+    a, s = jax.ShapeDtypeStruct((100, 768), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((100, 6), jnp.float32)
+    b, bs = jax.ShapeDtypeStruct((384, 768), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((3, 6), jnp.float32)
+    text = cublaslt._call.trace(a, s, b, bs, jnp.dtype(jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and f"@{cublaslt.FFI_TARGET}(" in calls[0] and "b_blocks = 1 : i32" in calls[0]
+    assert ("(tensor<112x768xf8E4M3FN>, tensor<6x112xf32>, tensor<384x768xf8E4M3FN>, tensor<3x8xf32>) -> "
+            "tensor<112x384xbf16>") in calls[0]
+    sb1 = jax.ShapeDtypeStruct((384, 6), jnp.float32)
+    text = cublaslt._call_1d.trace(a, s, b, sb1, jnp.dtype(jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "b_blocks = 0 : i32" in calls[0]
+    assert "tensor<6x384xf32>) -> tensor<112x384xf32>" in calls[0]
+
+
 def test_1d_wrapper_validates():
     a = jnp.zeros((32, 300), jnp.float8_e4m3fn)
     sa = jnp.ones((32, 3), jnp.float32)

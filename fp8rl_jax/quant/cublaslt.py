@@ -46,6 +46,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.fp8_gemm import BK, _check_operands
 
@@ -184,7 +185,7 @@ def _call(a, a_scale, b, b_scale_inv, out_dtype):
         as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
     kb4 = -(-kb // 4) * 4  # the 128x128 scales' leading dimension: K blocks rounded up to 4
     bs = b_scale_inv if kb4 == kb else jnp.pad(b_scale_inv, ((0, 0), (0, kb4 - kb)))
-    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs, b_blocks=True)
+    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs, b_blocks=np.int32(1))
     return out[:m] if mp != m else out
 
 
@@ -225,7 +226,7 @@ def _call_1d(a, a_scale, b, b_scale, out_dtype):
     if mp != m:
         a = jnp.pad(a, ((0, mp - m), (0, 0)))
         as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
-    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs_t, b_blocks=False)
+    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs_t, b_blocks=np.int32(0))
     return out[:m] if mp != m else out
 
 

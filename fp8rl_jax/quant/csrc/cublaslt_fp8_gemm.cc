@@ -2,7 +2,7 @@
 //
 //   out [M, N] = (A [M, K] x a_scale 1x128) @ (B [N, K] x b_scale_inv 128x128)^T, float32 accumulation,
 //
-// or, with the attribute b_blocks = false, B's scales 1x128 per row as well (the 1D x 1D scaling of an FP8
+// or, with the attribute b_blocks = 0, B's scales 1x128 per row as well (the 1D x 1D scaling of an FP8
 // training's weight gradient, both operands grouped along the contraction);
 // the math of pallas_kernels.fp8_gemm (DeepSeek-V3 / vLLM block scales), done by cuBLASLt's block-scaled
 // FP8 matmul (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F x BLK128x128_32F, cuBLAS >= 12.9, Hopper). cuBLAS is
@@ -200,7 +200,7 @@ ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type
   return ffi::Error::Success();
 }
 
-ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t device, bool b_blocks,
+ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t device, int32_t b_blocks,
                         ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b,
                         ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out) {
   // a [M, K] e4m3, a_scale_t [K/128, M], b [N, K] e4m3, out [M, N]; b_scale: with b_blocks (weights) the
@@ -273,7 +273,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemm, Fp8BlockGemm,
                                   .Ctx<ffi::PlatformStream<Stream>>()
                                   .Ctx<ffi::ScratchAllocator>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<bool>("b_blocks")
+                                  .Attr<int32_t>("b_blocks")  // 1: 128x128 B scales, 0: 1x128
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
