@@ -18,8 +18,9 @@ quantized, and trainer and generator still share one model definition.
 Kernels (``Kernels``): on a GPU backend the Pallas kernels run (``pallas_kernels.fp8_quant``,
 bit-identical to the reference evaluated on the CPU; the GEMM is ``pallas_kernels.fp8_gemm_mgpu``
 (TMA + wgmma, Mosaic GPU) where the shape allows (K a multiple of 128, N of its 128-wide CTA tile:
-every Qwen3 projection) and ``pallas_kernels.fp8_gemm`` (Triton lowering, masked edges) otherwise);
-elsewhere the jnp reference. (On XLA:GPU the reference's ``amax / 448`` compiles to a multiply by the
+every Qwen3 projection) and ``pallas_kernels.fp8_gemm`` (Triton lowering, masked edges) otherwise,
+or cuBLASLt's block-scaled FP8 GEMM (``fp8rl_jax.quant.cublaslt``) with ``gemm=GemmBackend.CUBLASLT`` or
+``FP8RL_FP8_GEMM=cublaslt``); elsewhere the jnp reference. (On XLA:GPU the reference's ``amax / 448`` compiles to a multiply by the
 reciprocal, one ulp low on about half the scales as measured on the H200; the kernel divides
 exactly, one more reason GPU quantization goes through it.)
 The reference GEMM dequantizes both operands and multiplies in float32 (HIGHEST): the same
