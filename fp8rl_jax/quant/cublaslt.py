@@ -5,10 +5,10 @@ reference): ``out [M, N] = A [M, K] @ B [N, K]^T`` with E4M3 operands, ``a_scale
 groups and ``b_scale_inv`` per 128x128 block, float32 accumulation, bf16 or f32 out. cuBLAS (>= 12.9)
 does it with ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`` x ``BLK128x128_32F`` on Hopper: the scaling
 recipe and library of torch's ``scaled_mm`` BlockWise1x128 x BlockWise128x128, which ran at
-1.1-1.3 PFLOP/s on the H200 at prefill sizes where our Mosaic kernel did ~0.6-0.7 (2026-11-30,
-experiments/results/gemm_h200.md). A well-kept library does this GEMM, so we call it rather than
-out-tune it; the Mosaic kernel stays the choice where it measures faster, and the dispatcher picks
-(``W8A8Policy.gemm`` / ``FP8RL_FP8_GEMM``).
+1.1-1.3 PFLOP/s on the H200 at M >= 2048 and 0.58-0.93 at M = 256 where our Mosaic kernel did
+0.53-1.0 and 0.30-0.48 (Qwen3-8B shapes, 2026-12-01, experiments/results/gemm_h200_session9.md). A
+well-kept library does this GEMM, so we call it rather than out-tune it; the Mosaic kernel stays the
+choice where it measures faster, and the dispatcher picks (``W8A8Policy.gemm`` / ``FP8RL_FP8_GEMM``).
 
 How: ``csrc/cublaslt_fp8_gemm.cc`` is a small XLA FFI handler that needs no CUDA header to build
 (g++ and jaxlib's FFI headers): it declares the few cuBLASLt entry points it calls and dlopens
