@@ -108,6 +108,39 @@ def test_wrapper_validates_and_explains_where_it_cannot_run():
             cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb)
 
 
+def test_handler_against_a_host_cublaslt_stand_in(tmp_path):
+    """The real handler (its host-buffer twin, on the CPU platform) driven through the real wrappers
+    against tests/fake_cublaslt.cc, a CPU model of cuBLASLt's documented semantics: descriptors,
+    layouts, scale pointers, padding and workspace wiring give the jnp reference's product."""
+    fake = tmp_path / "libfake_cublaslt.so"
+    proc = subprocess.run([cublaslt._compiler(), "-std=c++17", "-O2", "-shared", "-fPIC",
+                           str(Path(__file__).with_name("fake_cublaslt.cc")), "-o", str(fake)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lib = _load_copy(tmp_path / "handler", str(fake))
+    msg = ctypes.create_string_buffer(256)
+    assert lib.fp8rl_cublaslt_load(msg, len(msg)) == 131000, msg.value
+    target = "fp8rl_cublaslt_test_host"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.Fp8rlCublasLtFp8BlockGemmHost), platform="cpu")
+    fake_lib = ctypes.CDLL(str(fake))
+    for m, n, k, out_dtype, tol in ((100, 384, 768, jnp.float32, 1e-5), (16, 256, 512, jnp.bfloat16, 1e-2),
+                                    (1, 128, 1024, jnp.float32, 1e-5)):
+        qa, sa, qb, sb = _operands(m, n, k, seed=m + k)
+        got = cublaslt._call(qa, sa, qb, sb, jnp.dtype(out_dtype), target=target)
+        ref = fp8_gemm_reference(qa, sa, qb, sb, out_dtype=jnp.float32)
+        assert got.shape == (m, n) and got.dtype == jnp.dtype(out_dtype)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+        assert err <= tol, f"M={m} N={n} K={k} {out_dtype}: {err:.2e}"
+    # 1D x 1D (the wgrad): contraction 300 (padded to 384), 20 rows (padded to 32)
+    ka, kb = jax.random.split(jax.random.key(9))
+    a, sa = quantize_activations(jax.random.normal(ka, (20, 300), jnp.float32))
+    b, sb = quantize_activations(jax.random.normal(kb, (48, 300), jnp.float32) * 0.01)
+    got = np.asarray(cublaslt._call_1d(a, sa, b, sb, jnp.dtype(jnp.float32), target=target), np.float64)
+    ref = _deq64(a, sa) @ _deq64(b, sb).T
+    assert got.shape == (20, 48) and np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
+    assert fake_lib.fake_cublaslt_matmuls() == 4  # one cuBLASLt call per GEMM, nothing done twice
+
+
 def test_lowers_for_cuda_with_the_handlers_contract():
     """On the CPU, lowered for CUDA: one custom call to the registered target with the operands the
     handler decodes (M padded to 16, scales transposed / K blocks padded to 4) and its int32 attribute."""

@@ -173,8 +173,8 @@ def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_in
     return _call(a, a_scale, b, b_scale_inv, out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def _call(a, a_scale, b, b_scale_inv, out_dtype):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
+def _call(a, a_scale, b, b_scale_inv, out_dtype, target=FFI_TARGET):
     m, k = a.shape
     n = b.shape[0]
     mp = -(-m // _M_ALIGN) * _M_ALIGN
@@ -185,7 +185,7 @@ def _call(a, a_scale, b, b_scale_inv, out_dtype):
         as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
     kb4 = -(-kb // 4) * 4  # the 128x128 scales' leading dimension: K blocks rounded up to 4
     bs = b_scale_inv if kb4 == kb else jnp.pad(b_scale_inv, ((0, 0), (0, kb4 - kb)))
-    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs, b_blocks=np.int32(1))
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs, b_blocks=np.int32(1))
     return out[:m] if mp != m else out
 
 
@@ -213,8 +213,8 @@ def fp8_gemm_cublaslt_1d(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
     return _call_1d(a, a_scale.astype(jnp.float32), b, b_scale.astype(jnp.float32), out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def _call_1d(a, a_scale, b, b_scale, out_dtype):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
+def _call_1d(a, a_scale, b, b_scale, out_dtype, target=FFI_TARGET):
     m, c = a.shape
     n = b.shape[0]
     cp = -(-c // BK) * BK
@@ -226,7 +226,7 @@ def _call_1d(a, a_scale, b, b_scale, out_dtype):
     if mp != m:
         a = jnp.pad(a, ((0, mp - m), (0, 0)))
         as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
-    out = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs_t, b_blocks=np.int32(0))
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs_t, b_blocks=np.int32(0))
     return out[:m] if mp != m else out
 
 

@@ -19,10 +19,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -200,9 +202,11 @@ ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type
   return ffi::Error::Success();
 }
 
-ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t device, int32_t b_blocks,
-                        ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b,
-                        ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out) {
+// The GEMM on `stream` with a workspace from `allocate` (bytes -> pointer or nullptr).
+template <typename Allocate>
+ffi::Error RunGemm(Stream stream, Allocate allocate, int32_t device, int32_t b_blocks, ffi::AnyBuffer a,
+                   ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale,
+                   ffi::Result<ffi::AnyBuffer> out) {
   // a [M, K] e4m3, a_scale_t [K/128, M], b [N, K] e4m3, out [M, N]; b_scale: with b_blocks (weights) the
   // 128x128 scales [N/128, ld >= K/128, ld % 4 == 0], else 1x128 per row of b, transposed: [K/128, N]
   auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
@@ -254,9 +258,8 @@ ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t de
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan.desc, kDescBScalePtr, &sb, sizeof(sb)), "B scale pointer");
   void* workspace = nullptr;
   if (plan.workspace > 0) {
-    std::optional<void*> w = scratch.Allocate(plan.workspace, 256);
-    if (!w.has_value()) return ffi::Error::Internal("fp8 block GEMM: no workspace memory");
-    workspace = *w;
+    workspace = allocate(plan.workspace);
+    if (workspace == nullptr) return ffi::Error::Internal("fp8 block GEMM: no workspace memory");
   }
   const float alpha = 1.0f, beta = 0.0f;
   void* d = out->untyped_data();
@@ -266,7 +269,36 @@ ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t de
   return ffi::Error::Success();
 }
 
+ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t device, int32_t b_blocks,
+                        ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b,
+                        ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out) {
+  auto allocate = [&scratch](size_t bytes) -> void* { return scratch.Allocate(bytes, 256).value_or(nullptr); };
+  return RunGemm(stream, allocate, device, b_blocks, a, a_scale_t, b, b_scale, out);
+}
+
+// The same GEMM on host buffers, no stream (device 0, workspace from the heap): for tests on the CPU platform
+// against a host-memory stand-in of cuBLASLt (tests/fake_cublaslt.cc), which check the descriptors, layouts
+// and scale pointers this file hands to cuBLASLt. Never registered by fp8rl_jax itself.
+ffi::Error Fp8BlockGemmHost(int32_t b_blocks, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b,
+                            ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out) {
+  std::vector<std::unique_ptr<char[]>> held;
+  auto allocate = [&held](size_t bytes) -> void* {
+    held.emplace_back(new char[bytes]);
+    return held.back().get();
+  };
+  return RunGemm(nullptr, allocate, 0, b_blocks, a, a_scale_t, b, b_scale, out);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemmHost, Fp8BlockGemmHost,
+                              ffi::Ffi::Bind()
+                                  .Attr<int32_t>("b_blocks")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemm, Fp8BlockGemm,
                               ffi::Ffi::Bind()
