@@ -39,11 +39,12 @@ sys.path.insert(0, str(ROOT))
 
 from fp8rl_jax.environment import run_environment  # noqa: E402
 from fp8rl_jax.quant import cublaslt  # noqa: E402
+from fp8rl_jax.quant.policy import GEMM_BACKEND_TABLE, gemm_m_bucket  # noqa: E402
 from fp8rl_jax.quant import quantize_activations, quantize_weight_blockwise  # noqa: E402
 from pallas_kernels import fp8_gemm as gemm_kernel  # noqa: E402
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel  # noqa: E402
 from pallas_kernels import fp8_quant as quant_kernel  # noqa: E402
-from pallas_kernels.common import replay_ms  # noqa: E402
+from pallas_kernels.common import replay_ms, write_tuning  # noqa: E402
 
 BENCH_M = (64, 256, 2048, 8192)
 QWEN3_8B_NK = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288))
@@ -229,6 +230,18 @@ def bench_weight_sync(key) -> dict:
     return out
 
 
+def backend_entries(rows: list[dict], kind: str) -> list[dict]:
+    """The faster of our two dense FP8 GEMMs per measured shape, as `GEMM_BACKEND_TABLE` entries."""
+    out = []
+    for r in rows:
+        ms = {name: r[key]["ms"] for name, key in (("mosaic", "ours_mgpu"), ("cublaslt", "ours_cublaslt"))
+              if isinstance(r.get(key), dict) and "ms" in r[key]}
+        if len(ms) == 2:
+            out.append({"device_kind": kind, "m_bucket": gemm_m_bucket(r["M"]), "n": r["N"], "k": r["K"],
+                        "backend": min(ms, key=ms.get), "ms": ms})
+    return out
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [f"# FP8 GEMM on {env['device']} ({env['date']})", "",
@@ -265,6 +278,9 @@ def main(argv=None) -> int:
                     help="N K pairs, flattened (default: the Qwen3-8B shapes and the 30B-A3B expert shapes)")
     ap.add_argument("--no-triton", action="store_true",
                     help="skip the Triton-lowered kernel (its compiles take most of a full run)")
+    ap.add_argument("--backend-table-out", type=Path, default=None,
+                    help="write the faster dense FP8 GEMM (Mosaic or cuBLASLt) per (M bucket, N, K) measured here, "
+                         f"merged into {GEMM_BACKEND_TABLE.name} (which GemmBackend.AUTO follows)")
     ap.add_argument("--skip-sync", action="store_true")
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -285,6 +301,9 @@ def main(argv=None) -> int:
                               triton=not args.no_triton)
             results["gemm"].append(row)
             print(json.dumps(row), flush=True)
+            if args.backend_table_out is not None:  # after every shape: a cut run keeps what it measured
+                entries = backend_entries(results["gemm"], mgpu_kernel._device_kind())
+                write_tuning(args.backend_table_out, mgpu_kernel.merged_tuning(GEMM_BACKEND_TABLE, entries))
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1) + "\n")  # a cut-short run keeps what it measured
     if not args.skip_sync:

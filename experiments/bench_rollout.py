@@ -229,7 +229,7 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
         "kv_pool_gib": engine.kv_pool_bytes / 2**30,
         "bf16_copy_freed": standalone,
         "fused_projections": engine.fused,  # q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections)
-        "fp8_gemm": cfg.engine.fp8_gemm.resolve().value if mode.fp8_weights else None,  # Mosaic or cuBLASLt
+        "fp8_gemm": cfg.engine.fp8_gemm.describe() if mode.fp8_weights else None,  # Mosaic, cuBLASLt or per shape
         "full_length_sequences_that_fit": engine.sequences_that_fit,
         "preemptions": batch.preemptions,
         "roofline_step_ms_at_mean_context": step_bytes / HBM_BPS * 1e3,

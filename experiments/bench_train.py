@@ -97,7 +97,7 @@ def main(cfg: BenchConfig) -> dict:
     policies = {"bf16": DensePolicy("bfloat16"), "fp8": Fp8TrainPolicy.for_model(cfg.model, "bfloat16")}
     results = {
         "environment": run_environment(),
-        "fp8_gemm": GemmBackend.AUTO.resolve().value,  # fprop/dgrad GEMMs: Mosaic or cuBLASLt (FP8RL_FP8_GEMM)
+        "fp8_gemm": GemmBackend.AUTO.describe(),  # fprop/dgrad GEMMs: Mosaic, cuBLASLt (FP8RL_FP8_GEMM) or per shape
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items() if k != "model"},
         "model": dataclasses.asdict(cfg.model),
         "runs": {},

@@ -226,6 +226,47 @@ def test_gemm_backend_resolution(monkeypatch):
         GemmBackend.AUTO.resolve()
 
 
+def test_auto_follows_the_measured_table_per_shape(tmp_path, monkeypatch):
+    """AUTO: the variable first, else the faster backend measured on this device kind at the shape's
+    (M bucket, N, K), else Mosaic; bench_gemm's entries are what the table holds."""
+    import json
+    import sys
+
+    import fp8rl_jax.quant.policy as P
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import bench_gemm
+
+    rows = [{"M": 200, "N": 6144, "K": 4096, "ours_mgpu": {"ms": 0.040}, "ours_cublaslt": {"ms": 0.025}},
+            {"M": 4096, "N": 4096, "K": 4096, "ours_mgpu": {"ms": 0.20}, "ours_cublaslt": {"ms": 0.30}},
+            {"M": 64, "N": 1024, "K": 4096, "ours_mgpu": {"ms": 0.01}, "ours_cublaslt": {"error": "no algorithm"}}]
+    entries = bench_gemm.backend_entries(rows, "NVIDIA H200")
+    assert [(e["m_bucket"], e["n"], e["backend"]) for e in entries] == [(256, 6144, "cublaslt"), (4096, 4096, "mosaic")]
+    table = tmp_path / "fp8_gemm_backends.json"
+    table.write_text(json.dumps({"entries": entries}))
+    monkeypatch.setattr(P, "GEMM_BACKEND_TABLE", table)
+    monkeypatch.setattr(P, "device_kind", lambda: "NVIDIA H200")
+    P._measured_backends.cache_clear()
+    monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
+    try:
+        assert P.GemmBackend.AUTO.resolve(256, 6144, 4096) is P.GemmBackend.CUBLASLT
+        assert P.GemmBackend.AUTO.resolve(129, 6144, 4096) is P.GemmBackend.CUBLASLT  # same M bucket
+        assert P.GemmBackend.AUTO.resolve(4000, 4096, 4096) is P.GemmBackend.MOSAIC
+        assert P.GemmBackend.AUTO.resolve(256, 1024, 4096) is P.GemmBackend.MOSAIC  # not in the table
+        assert P.GemmBackend.AUTO.resolve() is P.GemmBackend.MOSAIC  # no shape
+        assert P.GemmBackend.MOSAIC.resolve(256, 6144, 4096) is P.GemmBackend.MOSAIC  # explicit wins
+        monkeypatch.setenv("FP8RL_FP8_GEMM", "mosaic")
+        assert P.GemmBackend.AUTO.resolve(256, 6144, 4096) is P.GemmBackend.MOSAIC  # the variable wins
+        assert P.GemmBackend.AUTO.describe() == "mosaic" and P.GemmBackend.CUBLASLT.describe() == "cublaslt"
+        monkeypatch.delenv("FP8RL_FP8_GEMM")
+        assert P.GemmBackend.AUTO.describe() == "auto"
+        monkeypatch.setattr(P, "device_kind", lambda: "NVIDIA H100")  # measured elsewhere: not used
+        P._measured_backends.cache_clear()
+        assert P.GemmBackend.AUTO.resolve(256, 6144, 4096) is P.GemmBackend.MOSAIC
+    finally:
+        P._measured_backends.cache_clear()
+
+
 def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):
     """With gemm=cublaslt on a (stand-in) GPU the dense FP8 matmul calls cuBLASLt with the quantized
     activations and the weight as stored; a shape it does not take goes to the Pallas kernels."""

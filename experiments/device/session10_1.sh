@@ -2,7 +2,9 @@
 # Next session, call 1 (nvidia-h200-x2): cuBLASLt's block-scaled FP8 GEMM through our FFI handler, first time on the GPU.
 #   GPU 0: its GPU tests (build at first use, the declarations against the image's cublasLt.h, numerics against the
 #          jnp reference, a jitted scan, the policy), then bench_gemm at decode (M = 256) and engine-prefill
-#          (M = 4096) sizes of every generator GEMM shape, Mosaic vs cuBLASLt vs torch's cuBLAS, and the weight sync.
+#          (M = 4096) sizes of every generator GEMM shape, Mosaic vs cuBLASLt vs torch's cuBLAS, and the weight sync;
+#          the faster of ours per shape goes into the table GemmBackend.AUTO follows (returned: commit it to
+#          fp8rl_jax/quant/fp8_gemm_backends.json).
 #   GPU 1: W1 all, then W1 w8a8, with EngineConfig.fp8_gemm = cublaslt (session 8 with the Mosaic kernel: 11216 and
 #          8502 tokens/s; none 7626).
 source experiments/device/env.sh
@@ -12,7 +14,8 @@ R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-ca
   { echo "== cuBLASLt GPU tests"; timeout 150 python -m pytest -q -m gpu tests/test_cublaslt.py -p no:cacheprovider -x \
       2>&1 | tail -15; echo "rc=${PIPESTATUS[0]}"
     echo "== bench_gemm"; mkdir -p /tmp/g; timeout $((540 - SECONDS)) python experiments/bench_gemm.py --no-triton \
-      --m 256 4096 --nk 6144 4096 24576 4096 4096 4096 4096 12288 1024 4096 12288 4096 --out /tmp/g/gemm_bench.json
+      --m 256 4096 --nk 6144 4096 24576 4096 4096 4096 4096 12288 1024 4096 12288 4096 --out /tmp/g/gemm_bench.json \
+      --backend-table-out "$OUT/fp8_gemm_backends.json"
     echo "rc=$?"; cp /tmp/g/gemm_bench.json /tmp/g/gemm_bench.md "$OUT/" 2>/dev/null
   } 2>&1 | filt > "$OUT/gpu0.log"
 ) &

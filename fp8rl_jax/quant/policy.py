@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -62,6 +64,7 @@ from pallas_kernels import fp8_gemm as gemm_kernel
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel
 from pallas_kernels import fp8_grouped_gemm as grouped_gemm_kernel
 from pallas_kernels import fp8_quant as quant_kernel
+from pallas_kernels.common import device_kind, tuning_entries
 
 FP8_PROJS = frozenset({Proj.Q, Proj.K, Proj.V, Proj.O, Proj.GATE, Proj.UP, Proj.DOWN,
                        Proj.EXPERT_GATE, Proj.EXPERT_UP, Proj.EXPERT_DOWN})
@@ -188,21 +191,49 @@ class WeightSharding:
 class GemmBackend(enum.Enum):
     """Which GPU GEMM runs a dense W8A8 matmul when the kernels run (``Kernels.pallas()``)."""
 
-    AUTO = "auto"  # FP8RL_FP8_GEMM if set, else MOSAIC (the measured default until cuBLASLt is timed here)
+    AUTO = "auto"  # FP8RL_FP8_GEMM if set, else the measured table's choice for the shape, else MOSAIC
     MOSAIC = "mosaic"  # pallas_kernels.fp8_gemm_mgpu where the shape allows, the Triton fp8_gemm elsewhere
     CUBLASLT = "cublaslt"  # fp8rl_jax.quant.cublaslt (cuBLAS's block-scaled FP8) where the shape allows
 
-    def resolve(self) -> GemmBackend:
+    def resolve(self, m: int | None = None, n: int | None = None, k: int | None = None) -> GemmBackend:
+        """The backend for an ``[M, K] x [N, K]^T`` GEMM: this one unless AUTO; for AUTO the
+        ``FP8RL_FP8_GEMM`` variable, else the faster of the two as measured on this device kind at this
+        (M bucket, N, K) (`GEMM_BACKEND_TABLE`, written by ``experiments/bench_gemm.py
+        --backend-table-out``), else MOSAIC."""
         if self is not GemmBackend.AUTO:
             return self
         env = os.environ.get("FP8RL_FP8_GEMM", "").strip().lower()
-        if env in ("", "auto"):
-            return GemmBackend.MOSAIC
-        try:
-            chosen = GemmBackend(env)
-        except ValueError:
-            raise ValueError(f"FP8RL_FP8_GEMM must be one of auto, mosaic, cublaslt; got {env!r}") from None
-        return GemmBackend.MOSAIC if chosen is GemmBackend.AUTO else chosen
+        if env not in ("", "auto"):
+            try:
+                return GemmBackend(env)
+            except ValueError:
+                raise ValueError(f"FP8RL_FP8_GEMM must be one of auto, mosaic, cublaslt; got {env!r}") from None
+        if m is not None and n is not None and k is not None:
+            chosen = _measured_backends(device_kind()).get((gemm_m_bucket(m), n, k))
+            if chosen is not None:
+                return chosen
+        return GemmBackend.MOSAIC
+
+    def describe(self) -> str:
+        """What a benchmark records: the explicit or ``FP8RL_FP8_GEMM`` choice, else "auto" (per shape)."""
+        env = os.environ.get("FP8RL_FP8_GEMM", "").strip().lower()
+        return self.value if self is not GemmBackend.AUTO else (env if env not in ("", "auto") else "auto")
+
+
+# Measured per device kind (``experiments/bench_gemm.py --backend-table-out``): the faster dense FP8 GEMM
+# (Mosaic kernel or cuBLASLt) per (M bucket, N, K); `GemmBackend.AUTO` follows it.
+GEMM_BACKEND_TABLE = Path(__file__).with_name("fp8_gemm_backends.json")
+
+
+def gemm_m_bucket(m: int) -> int:
+    """The M key of the measured tables: the next power of two, at least 64."""
+    return max(64, 1 << (max(m, 1) - 1).bit_length())
+
+
+@functools.cache
+def _measured_backends(kind: str) -> dict[tuple[int, int, int], GemmBackend]:
+    return {(int(e["m_bucket"]), int(e["n"]), int(e["k"])): GemmBackend(e["backend"])
+            for e in tuning_entries(GEMM_BACKEND_TABLE, kind)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,15 +282,15 @@ class W8A8Policy(MatmulPolicy):
         if self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK:
             interpret = jax.default_backend() != "gpu"
 
-            backend = self.gemm.resolve()
-            if backend is GemmBackend.CUBLASLT and not interpret and not cublaslt.available()[0]:
-                raise RuntimeError(f"W8A8Policy(gemm=cublaslt): {cublaslt.available()[1]}")
-
             def gemm(x, q, s, out_dtype):
                 xq, xs = quantize_activations(x, self.group_size)
                 m, (n, k) = xq.shape[0], q.shape
-                if backend is GemmBackend.CUBLASLT and not interpret and cublaslt.supports(n, k, out_dtype):
-                    return cublaslt.fp8_gemm_cublaslt(xq, xs, q, s, out_dtype=out_dtype)
+                if not interpret and self.gemm.resolve(m, n, k) is GemmBackend.CUBLASLT:
+                    ok, why = cublaslt.available()
+                    if not ok and self.gemm is GemmBackend.CUBLASLT:  # asked for explicitly: say why not
+                        raise RuntimeError(f"W8A8Policy(gemm=cublaslt): {why}")
+                    if ok and cublaslt.supports(n, k, out_dtype):
+                        return cublaslt.fp8_gemm_cublaslt(xq, xs, q, s, out_dtype=out_dtype)
                 if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
                     return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
                 return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K

@@ -203,11 +203,12 @@ def _interpret() -> bool:
 
 def _block_gemm(aq: jax.Array, a_s: jax.Array, bq: jax.Array, b_s: jax.Array, dt: Any) -> jax.Array:
     """FP8 ``A [M, K] (1x128) @ B [N, K]ᵀ (128x128)`` on the GPU GEMMs, as ``W8A8Policy`` picks
-    them: cuBLASLt's block-scaled FP8 when ``FP8RL_FP8_GEMM=cublaslt`` (`GemmBackend`) and it takes
-    the shape, else the Mosaic GPU kernel (TMA + wgmma) where it takes the shape, else the Triton one."""
+    them: cuBLASLt's block-scaled FP8 where `GemmBackend.AUTO` picks it (``FP8RL_FP8_GEMM=cublaslt``, or the
+    measured table for the shape) and it takes the shape, else the Mosaic GPU kernel (TMA + wgmma) where
+    it takes the shape, else the Triton one."""
     m, k = aq.shape
     n = bq.shape[0]
-    if (not _interpret() and GemmBackend.AUTO.resolve() is GemmBackend.CUBLASLT and cublaslt.supports(n, k, dt)
+    if (not _interpret() and GemmBackend.AUTO.resolve(m, n, k) is GemmBackend.CUBLASLT and cublaslt.supports(n, k, dt)
             and cublaslt.available()[0]):
         return cublaslt.fp8_gemm_cublaslt(aq, a_s, bq, b_s, out_dtype=dt)
     if mgpu_kernel.supports(m, n, k):
