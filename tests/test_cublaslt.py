@@ -1,6 +1,7 @@
 """cuBLASLt block-scaled FP8 GEMM (``fp8rl_jax.quant.cublaslt``): the FFI handler builds, loads and
 explains what it lacks on any machine; its cuBLASLt declarations match cublasLt.h wherever that header
-is installed; the dispatcher routes to it; on the GPU it matches the jnp reference."""
+is installed; on the CPU it gives the reference product against a host-memory model of cuBLASLt
+(tests/fake_cublaslt.cc); the dispatchers route to it; on the GPU it matches the jnp reference."""
 
 from __future__ import annotations
 
