@@ -6,6 +6,7 @@ is installed; on the CPU it gives the reference product against a host-memory mo
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import subprocess
 from pathlib import Path
 
@@ -296,8 +297,18 @@ def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):
     policy.dot(x, odd, Site(0, Proj.Q))
     assert len(calls) == 1
     monkeypatch.setattr(P.cublaslt, "available", lambda: (False, "no cuBLASLt here"))
-    with pytest.raises(RuntimeError, match="no cuBLASLt here"):
+    with pytest.raises(RuntimeError, match="no cuBLASLt here"):  # asked for by name: an error, not a fallback
         policy.dot(x, w, Site(0, Proj.Q))
+    monkeypatch.setenv("FP8RL_FP8_GEMM", "cublaslt")
+    with pytest.raises(RuntimeError, match="no cuBLASLt here"):
+        dataclasses.replace(policy, gemm=GemmBackend.AUTO).dot(x, w, Site(0, Proj.Q))
+    monkeypatch.delenv("FP8RL_FP8_GEMM")
+    monkeypatch.setattr(P, "_measured_backends", lambda kind: {(64, 384, 256): GemmBackend.CUBLASLT})
+    calls.clear()  # the measured table's choice falls back to the Mosaic kernel quietly
+    monkeypatch.setattr(P.mgpu_kernel, "fp8_gemm_mgpu", lambda xq, xs, q, s, out_dtype, interpret: (
+        calls.append("mosaic"), fp8_gemm_reference(xq, xs, q, s, out_dtype=out_dtype))[1])
+    dataclasses.replace(policy, gemm=GemmBackend.AUTO).dot(x, w, Site(0, Proj.Q))
+    assert calls == ["mosaic"]
 
 
 @pytest.mark.gpu

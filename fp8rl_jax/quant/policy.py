@@ -220,6 +220,20 @@ class GemmBackend(enum.Enum):
         return self.value if self is not GemmBackend.AUTO else (env if env not in ("", "auto") else "auto")
 
 
+def use_cublaslt(gemm: GemmBackend, m: int, n: int, k: int, out_dtype: Any) -> bool:
+    """Whether an ``[M, K] x [N, K]^T`` FP8 GEMM goes to cuBLASLt on this GPU: ``gemm`` resolves to it for
+    the shape and cuBLASLt takes the shape. Raises where cuBLASLt was asked for by name (the field or
+    ``FP8RL_FP8_GEMM``) and cannot run here; the measured table's choice falls back quietly."""
+    if gemm.resolve(m, n, k) is not GemmBackend.CUBLASLT:
+        return False
+    ok, why = cublaslt.available()
+    if not ok:
+        if gemm.describe() == GemmBackend.CUBLASLT.value:
+            raise RuntimeError(f"the FP8 GEMM is set to cuBLASLt, which cannot run here: {why}")
+        return False
+    return cublaslt.supports(n, k, out_dtype)
+
+
 # Measured per device kind (``experiments/bench_gemm.py --backend-table-out``): the faster dense FP8 GEMM
 # (Mosaic kernel or cuBLASLt) per (M bucket, N, K); `GemmBackend.AUTO` follows it.
 GEMM_BACKEND_TABLE = Path(__file__).with_name("fp8_gemm_backends.json")
@@ -285,12 +299,8 @@ class W8A8Policy(MatmulPolicy):
             def gemm(x, q, s, out_dtype):
                 xq, xs = quantize_activations(x, self.group_size)
                 m, (n, k) = xq.shape[0], q.shape
-                if not interpret and self.gemm.resolve(m, n, k) is GemmBackend.CUBLASLT:
-                    ok, why = cublaslt.available()
-                    if not ok and self.gemm is GemmBackend.CUBLASLT:  # asked for explicitly: say why not
-                        raise RuntimeError(f"W8A8Policy(gemm=cublaslt): {why}")
-                    if ok and cublaslt.supports(n, k, out_dtype):
-                        return cublaslt.fp8_gemm_cublaslt(xq, xs, q, s, out_dtype=out_dtype)
+                if not interpret and use_cublaslt(self.gemm, m, n, k, out_dtype):
+                    return cublaslt.fp8_gemm_cublaslt(xq, xs, q, s, out_dtype=out_dtype)
                 if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
                     return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
                 return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K

@@ -115,7 +115,7 @@ from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, MatmulPolicy, Site
 from fp8rl_jax.quant.fp8 import Fp8Format, QuantizedWeight, dequantize_activations, quantize_activations
 from fp8rl_jax.quant import cublaslt
-from fp8rl_jax.quant.policy import GemmBackend, Kernels, LayerPolicy, quantize_weight
+from fp8rl_jax.quant.policy import GemmBackend, Kernels, LayerPolicy, quantize_weight, use_cublaslt
 from pallas_kernels import fp8_gemm as gemm_kernel
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel
 
@@ -208,8 +208,7 @@ def _block_gemm(aq: jax.Array, a_s: jax.Array, bq: jax.Array, b_s: jax.Array, dt
     it takes the shape, else the Triton one."""
     m, k = aq.shape
     n = bq.shape[0]
-    if (not _interpret() and GemmBackend.AUTO.resolve(m, n, k) is GemmBackend.CUBLASLT and cublaslt.supports(n, k, dt)
-            and cublaslt.available()[0]):
+    if not _interpret() and use_cublaslt(GemmBackend.AUTO, m, n, k, dt):
         return cublaslt.fp8_gemm_cublaslt(aq, a_s, bq, b_s, out_dtype=dt)
     if mgpu_kernel.supports(m, n, k):
         return mgpu_kernel.fp8_gemm_mgpu(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
@@ -229,7 +228,7 @@ def _wgrad(dytq, dyts, xtq, xts, group: int, kernels: bool) -> jax.Array:
     if not kernels:
         return _dot_nt(_deq_rows(dytq, dyts, group), _deq_rows(xtq, xts, group))
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
-    if (group == 128 and not _interpret() and GemmBackend.AUTO.resolve() is GemmBackend.CUBLASLT
+    if (group == 128 and not _interpret() and GemmBackend.AUTO.describe() == GemmBackend.CUBLASLT.value
             and jnp.dtype(dytq.dtype) == fp8 and jnp.dtype(xtq.dtype) == fp8 and xtq.shape[0] % 16 == 0
             and cublaslt.one_d_available()):  # FP8 x FP8 on the tensor cores, 1D x 1D scales
         return cublaslt.fp8_gemm_cublaslt_1d(dytq, dyts, xtq, xts, out_dtype=jnp.float32)
