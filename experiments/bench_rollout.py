@@ -380,7 +380,7 @@ if __name__ == "__main__":
                     help="q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections; auto: FP8 weights only)")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="the dense FP8 GEMM of the w8a8/all modes (EngineConfig.fp8_gemm): our Mosaic kernel or "
-                         "cuBLASLt's block-scaled FP8; auto reads FP8RL_FP8_GEMM, else mosaic")
+                         "cuBLASLt's block-scaled FP8; auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic")
     ap.add_argument("--no-overlap-host", action="store_true",
                     help="the synchronous host loop (EngineConfig.overlap_host=False), to measure what overlap saves")
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)

@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.fuse_projections (auto: on for FP8 weights)")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
-                    help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else mosaic)")
+                    help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic)")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-out", type=Path, default=None, help="also keep each traced call's trace.json.gz here")
