@@ -4,7 +4,8 @@ Random weights of the chosen shape are built on the device (no download). For ea
 mode (none, w8a8, kv, all) the engine generates a workload and we record output tokens/s,
 sequences resident (what the KV budget holds), preemptions, the weight-sync time
 (``update_weights``: re-quantization and swap; median of ``--sync-repeats``) and the decode-step
-time against the HBM roofline (weight bytes + KV bytes read per step over 4.3 TB/s).
+time against the HBM roofline (weight bytes + KV bytes read per step over 4.3 TB/s). With
+``--repeats N`` the workload is generated N times on the warm engine and the median run is the row.
 
 Workloads (the ones vLLM was measured on, ../shared/vllm-h200/README.md):
   W1: 256 prompts of 1024 random ids -> 2048 new tokens each (temperature 1.0, EOS ignored);
@@ -90,6 +91,7 @@ class BenchConfig:
     # (vLLM's benchmark holds no trainer copy); None: ``engine``'s budget, BF16 copy kept
     kv_gib_like_vllm: tuple[float, float] | None = None
     sync_repeats: int = 5  # weight syncs timed per mode (the median is reported)
+    repeats: int = 1  # timed generates of the workload per mode on the warm engine (the median run is reported)
     stall_dump_s: float = 0.0  # > 0: no progress for this long -> last progress, thread stacks, exit 3
     # vllm backend: more workloads run by the same vLLM engine after ``workload`` (one start per mode:
     # its start, torch.compile and CUDA-graph capture, takes minutes for Qwen3-8B), as (name, workload)
@@ -193,6 +195,30 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
                                                                            flush=True)),
                               recompute=engine.sequences_that_fit < len(prompts))  # else nothing is preempted
     print(f"[{mode.value}] warm-up (compiles) {compile_s:.1f} s", flush=True)
+    runs = []
+    for i in range(max(cfg.repeats, 1)):  # the same workload again on the warm engine
+        runs.append(_measure(cfg, engine, mode, prompts, sampling, partial))
+        if cfg.repeats > 1:
+            print(f"[{mode.value}] run {i + 1}/{cfg.repeats}: {runs[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    # the median run's row (by tokens/s), with every run's tokens/s
+    row = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+    row.update({"weight_sync_ms": sync_ms,  # median of sync_repeats
+                "weight_sync_ms_all": syncs,
+                "warmup_compile_s": compile_s,
+                "kv_pages": engine.num_pages,
+                "kv_pool_gib": engine.kv_pool_bytes / 2**30,
+                "bf16_copy_freed": standalone,
+                "fused_projections": engine.fused,  # q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections)
+                "fp8_gemm": cfg.engine.fp8_gemm.describe() if mode.fp8_weights else None,  # Mosaic, cuBLASLt or per shape
+                "full_length_sequences_that_fit": engine.sequences_that_fit,
+                "repeats": len(runs),
+                "tokens_per_s_all": [r["tokens_per_s"] for r in runs],
+                "memory_gb": _memory()})
+    return row
+
+
+def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampling, partial) -> dict:
+    """One timed generate of the workload on the warm engine: throughput, step time and roofline."""
     t0 = time.perf_counter()
     engine.progress = _progress_reporter(mode, t0, partial)
     batch = engine.generate(prompts, sampling)
@@ -222,19 +248,9 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
         "decode_hbm_fraction": measured_step_bytes / max(step_s, 1e-12) / HBM_BPS,
         "wall_s": wall,
         "tokens_per_s": generated / wall,
-        "weight_sync_ms": sync_ms,  # median of sync_repeats
-        "weight_sync_ms_all": syncs,
-        "warmup_compile_s": compile_s,
-        "kv_pages": engine.num_pages,
-        "kv_pool_gib": engine.kv_pool_bytes / 2**30,
-        "bf16_copy_freed": standalone,
-        "fused_projections": engine.fused,  # q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections)
-        "fp8_gemm": cfg.engine.fp8_gemm.describe() if mode.fp8_weights else None,  # Mosaic, cuBLASLt or per shape
-        "full_length_sequences_that_fit": engine.sequences_that_fit,
         "preemptions": batch.preemptions,
         "roofline_step_ms_at_mean_context": step_bytes / HBM_BPS * 1e3,
         "roofline_tokens_per_s": slots / (step_bytes / HBM_BPS),
-        "memory_gb": _memory(),
     }
 
 
@@ -374,6 +390,9 @@ if __name__ == "__main__":
                          "0.85: 101.74 and 107.52), per mode by weight precision; FP8 weight modes free the "
                          "BF16 copy after the sync is timed, as vLLM holds only its own weights (overrides "
                          "--kv-gib/--kv-fraction/--kv-tokens)")
+    ap.add_argument("--repeats", type=int, default=BenchConfig.repeats,
+                    help="timed generates of the workload per mode after one warm-up (JAX backend); the median run "
+                         "(by tokens/s) is the row, every run's tokens/s is kept")
     ap.add_argument("--sync-repeats", type=int, default=BenchConfig.sync_repeats,
                     help="weight syncs (update_weights) timed per mode; the median is reported")
     ap.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto",
@@ -434,5 +453,5 @@ if __name__ == "__main__":
     main(BenchConfig(model=model, workload=w, modes=tuple(Fp8Mode(m) for m in a.modes), engine=engine,
                      backend=Backend(a.backend), vllm=vllm_cfg, out=a.out,
                      kv_gib_like_vllm=tuple(a.kv_gib_like_vllm) if a.kv_gib_like_vllm else None,
-                     sync_repeats=a.sync_repeats, stall_dump_s=a.stall_dump_s,
+                     sync_repeats=a.sync_repeats, repeats=a.repeats, stall_dump_s=a.stall_dump_s,
                      also_workloads=tuple((n, WORKLOADS[n]) for n in a.also_workloads)))
