@@ -6,8 +6,8 @@ sequences resident (what the KV budget holds), preemptions, the weight-sync time
 (``update_weights``: re-quantization and swap; median of ``--sync-repeats``) and the decode-step
 time against the HBM roofline (weight bytes + KV bytes read per step over 4.3 TB/s). With
 ``--repeats N`` the workload is generated N times on the warm engine and the median run is the row
-(runs after the first skip the per-update KV-scale calibration of FP8 KV modes: one forward of 16
-prompts, well under 1% of a W1 run).
+(runs after the first skip the per-update KV-scale calibration of FP8 KV modes, one forward of the
+first 16 prompts).
 
 Workloads (the ones vLLM was measured on, ../shared/vllm-h200/README.md):
   W1: 256 prompts of 1024 random ids -> 2048 new tokens each (temperature 1.0, EOS ignored);
