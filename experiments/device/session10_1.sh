@@ -5,8 +5,8 @@
 #          (M = 4096) sizes of every generator GEMM shape, Mosaic vs cuBLASLt vs torch's cuBLAS, and the weight sync;
 #          the faster of ours per shape goes into the table GemmBackend.AUTO follows (returned: commit it to
 #          fp8rl_jax/quant/fp8_gemm_backends.json).
-#   GPU 1: W1 all, then W1 w8a8, with EngineConfig.fp8_gemm = cublaslt (session 8 with the Mosaic kernel: 11216 and
-#          8502 tokens/s; none 7626).
+#   GPU 1: W1 all (3 runs on the warm engine, the median reported), then W1 w8a8, with EngineConfig.fp8_gemm =
+#          cublaslt (session 8 with the Mosaic kernel, one run each: 11216 and 8502 tokens/s; none 7626).
 source experiments/device/env.sh
 R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 90 --kv-gib-like-vllm 101.74 107.52"
 (
@@ -22,7 +22,7 @@ R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-ca
 ) &
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && (
   export CUDA_VISIBLE_DEVICES=1
-  { echo "== W1 all (cuBLASLt)"; timeout 290 python $R --workload W1 --modes all --fp8-gemm cublaslt \
+  { echo "== W1 all (cuBLASLt), 3 runs"; timeout 330 python $R --workload W1 --modes all --fp8-gemm cublaslt --repeats 3 \
       --out "$OUT/rollout_W1_all_cublaslt.json"; echo "rc=$?"
     echo "== W1 w8a8 (cuBLASLt)"; timeout $((540 - SECONDS)) python $R --workload W1 --modes w8a8 --fp8-gemm cublaslt \
       --out "$OUT/rollout_W1_w8a8_cublaslt.json"; echo "rc=$?"
