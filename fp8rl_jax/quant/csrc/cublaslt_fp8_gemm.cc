@@ -2,13 +2,13 @@
 //
 //   out [M, N] = (A [M, K] x a_scale 1x128) @ (B [N, K] x b_scale_inv 128x128)^T, float32 accumulation,
 //
-// or, with the attribute b_blocks = 0, B's scales 1x128 per row as well (the 1D x 1D scaling of an FP8
-// training's weight gradient, both operands grouped along the contraction);
 // the math of pallas_kernels.fp8_gemm (DeepSeek-V3 / vLLM block scales), done by cuBLASLt's block-scaled
 // FP8 matmul (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F x BLK128x128_32F, cuBLAS >= 12.9, Hopper). cuBLAS is
 // column-major, so it computes out^T [N, M] = B [N, K] . A^T: its "A" operand is our weight (K-major, TRANSA = T,
 // 128x128 block scales laid out like the data: [N/128][ld] with the K blocks contiguous, ld = K/128 rounded up
 // to 4) and its "B" operand our activations (K-major, TRANSB = N, 1x128 scales M-contiguous: [K/128][M]).
+// With the attribute b_blocks = 0, B's scales are 1x128 per row as well, transposed the same way ([K/128][N]):
+// the 1D x 1D scaling of an FP8 training's weight gradient, both operands grouped along the contraction.
 //
 // No CUDA or cuBLAS header is needed to build this file (g++ and jaxlib's FFI headers only): the few cuBLASLt
 // entry points used are declared below with the values of cuBLAS 13's cublasLt.h (checked against the real
