@@ -125,6 +125,12 @@ def test_handler_against_a_host_cublaslt_stand_in(tmp_path):
     target = "fp8rl_cublaslt_test_host"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.Fp8rlCublasLtFp8BlockGemmHost), platform="cpu")
     fake_lib = ctypes.CDLL(str(fake))
+    with jax.default_device(jax.devices("cpu")[0]):  # the host twin is registered for the CPU platform only
+        _run_against_stand_in(target)
+    assert fake_lib.fake_cublaslt_matmuls() == 4  # one cuBLASLt call per GEMM, nothing done twice
+
+
+def _run_against_stand_in(target: str) -> None:
     for m, n, k, out_dtype, tol in ((100, 384, 768, jnp.float32, 1e-5), (16, 256, 512, jnp.bfloat16, 1e-2),
                                     (1, 128, 1024, jnp.float32, 1e-5)):
         qa, sa, qb, sb = _operands(m, n, k, seed=m + k)
@@ -140,7 +146,6 @@ def test_handler_against_a_host_cublaslt_stand_in(tmp_path):
     got = np.asarray(cublaslt._call_1d(a, sa, b, sb, jnp.dtype(jnp.float32), target=target), np.float64)
     ref = _deq64(a, sa) @ _deq64(b, sb).T
     assert got.shape == (20, 48) and np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
-    assert fake_lib.fake_cublaslt_matmuls() == 4  # one cuBLASLt call per GEMM, nothing done twice
 
 
 def test_lowers_for_cuda_with_the_handlers_contract():
