@@ -39,12 +39,12 @@ sys.path.insert(0, str(ROOT))
 
 from fp8rl_jax.environment import run_environment  # noqa: E402
 from fp8rl_jax.quant import cublaslt  # noqa: E402
-from fp8rl_jax.quant.policy import GEMM_BACKEND_TABLE, gemm_m_bucket  # noqa: E402
+from fp8rl_jax.quant.policy import GEMM_BACKEND_TABLE  # noqa: E402
 from fp8rl_jax.quant import quantize_activations, quantize_weight_blockwise  # noqa: E402
 from pallas_kernels import fp8_gemm as gemm_kernel  # noqa: E402
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel  # noqa: E402
 from pallas_kernels import fp8_quant as quant_kernel  # noqa: E402
-from pallas_kernels.common import replay_ms, write_tuning  # noqa: E402
+from pallas_kernels.common import m_bucket, replay_ms, write_tuning  # noqa: E402
 
 BENCH_M = (64, 256, 2048, 8192)
 QWEN3_8B_NK = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288))
@@ -237,7 +237,7 @@ def backend_entries(rows: list[dict], kind: str) -> list[dict]:
         ms = {name: r[key]["ms"] for name, key in (("mosaic", "ours_mgpu"), ("cublaslt", "ours_cublaslt"))
               if isinstance(r.get(key), dict) and "ms" in r[key]}
         if len(ms) == 2:
-            out.append({"device_kind": kind, "m_bucket": gemm_m_bucket(r["M"]), "n": r["N"], "k": r["K"],
+            out.append({"device_kind": kind, "m_bucket": m_bucket(r["M"]), "n": r["N"], "k": r["K"],
                         "backend": min(ms, key=ms.get), "ms": ms})
     return out
 

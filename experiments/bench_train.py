@@ -32,7 +32,7 @@ from fp8rl_jax.environment import run_environment  # noqa: E402
 from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import DensePolicy, ModelConfig, init_params  # noqa: E402
-from fp8rl_jax.quant.training import Fp8TrainPolicy  # noqa: E402
+from fp8rl_jax.quant.training import Fp8TrainPolicy, Fp8TrainRecipe  # noqa: E402
 from fp8rl_jax.rl.trainer import (ComputeDtype, TrainBatch, TrainerConfig, compute_grads, init_train_state,  # noqa: E402
                                   make_optimizer, make_train_step)
 
@@ -48,6 +48,7 @@ class BenchConfig:
     repeats: int = 5
     out: Path | None = None
     seed: int = 0
+    fp8_gemm: GemmBackend = GemmBackend.AUTO  # the FP8 run's GEMMs (Fp8TrainRecipe.gemm): Mosaic or cuBLASLt
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.seq_len < 2 or self.repeats < 1 or self.warmup < 1:
@@ -94,11 +95,13 @@ def time_policy(cfg: BenchConfig, params, batch: TrainBatch, policy) -> dict:
 def main(cfg: BenchConfig) -> dict:
     params = init_params(cfg.model, jax.random.key(cfg.seed), jnp.float32)
     batch = _batch(cfg)
-    policies = {"bf16": DensePolicy("bfloat16"), "fp8": Fp8TrainPolicy.for_model(cfg.model, "bfloat16")}
+    policies = {"bf16": DensePolicy("bfloat16"),
+                "fp8": Fp8TrainPolicy.for_model(cfg.model, "bfloat16", Fp8TrainRecipe(gemm=cfg.fp8_gemm))}
     results = {
         "environment": run_environment(),
-        "fp8_gemm": GemmBackend.AUTO.describe(),  # fprop/dgrad GEMMs: Mosaic, cuBLASLt (FP8RL_FP8_GEMM) or per shape
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items() if k != "model"},
+        "fp8_gemm": cfg.fp8_gemm.describe(),  # the FP8 GEMMs: Mosaic, cuBLASLt or per shape (auto)
+        "config": {k: (str(v) if isinstance(v, Path) else v.value if isinstance(v, GemmBackend) else v)
+                   for k, v in dataclasses.asdict(cfg).items() if k != "model"},
         "model": dataclasses.asdict(cfg.model),
         "runs": {},
     }
@@ -133,9 +136,12 @@ if __name__ == "__main__":
     ap.add_argument("--no-remat", action="store_true")
     ap.add_argument("--repeats", type=int, default=BenchConfig.repeats)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
+                    help="the FP8 run's GEMMs (Fp8TrainRecipe.gemm): our Mosaic kernel or cuBLASLt; auto: "
+                         "FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic")
     a = ap.parse_args()
     model = PRESETS[a.preset]
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)
     main(BenchConfig(model=model, batch=a.batch, seq_len=a.seq_len, micro_batches=a.micro_batches,
-                     remat=not a.no_remat, repeats=a.repeats, out=a.out))
+                     remat=not a.no_remat, repeats=a.repeats, out=a.out, fp8_gemm=GemmBackend(a.fp8_gemm)))

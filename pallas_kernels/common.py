@@ -74,6 +74,11 @@ def write_results(path, results: list) -> None:
 
 
 
+def m_bucket(m: int) -> int:
+    """The M key of the measured tables (GEMM configs, GEMM backends): the next power of two, at least 64."""
+    return max(64, 1 << (max(m, 1) - 1).bit_length())
+
+
 def device_kind() -> str:
     """The key of a tuning-table entry: the GPU's device kind, or "cpu" off the GPU."""
     return jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "cpu"

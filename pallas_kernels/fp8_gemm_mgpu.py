@@ -102,7 +102,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import device_kind, replay_ms, tuning_entries, write_results, write_tuning
+from pallas_kernels.common import device_kind, m_bucket, replay_ms, tuning_entries, write_results, write_tuning
 from pallas_kernels.fp8_gemm import BK, _check_operands, fp8_gemm_reference
 
 __all__ = [
@@ -272,10 +272,6 @@ def merged_tuning(path: Path, entries: list[dict]) -> list[dict]:
     return [e for e in old if key(e) not in new] + list(entries)
 
 
-def _m_bucket(m: int) -> int:
-    return max(64, 1 << (max(m, 1) - 1).bit_length())
-
-
 _device_kind = device_kind  # module-level: the tests stand in another device kind
 
 
@@ -294,7 +290,7 @@ def default_config(m: int, n: int, k: int | None = None) -> MgpuGemmConfig:
     """The measured best for this (M bucket, N, K) on this device kind (`TUNING_FILE`), else: N-split
     CTAs (64 x 256) up to M = 2048 when N allows, else M-split 128 x 128."""
     if k is not None:
-        tuned = _tuning(_device_kind()).get((_m_bucket(m), n, k))
+        tuned = _tuning(_device_kind()).get((m_bucket(m), n, k))
         if tuned is not None and n % tuned.cluster_tile_n == 0:
             return tuned
     if m <= 2048 and n % DECODE_CONFIG.cta_tile_n == 0:
@@ -626,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
                 triton = f" | Triton fp8_gemm {row['triton_fp8_gemm_default']['tflops']:7.1f}"
             if best is not None:
                 row["best"] = {"config": _config_dict(best[0]), "ms": best[1], "tflops": best[2], "max_rel_err_bf16_out": best[3]}
-                entries.append({"device_kind": _device_kind(), "m_bucket": _m_bucket(m), "n": n, "k": k,
+                entries.append({"device_kind": _device_kind(), "m_bucket": m_bucket(m), "n": n, "k": k,
                                 "config": _config_dict(best[0]), "ms": best[1], "tflops": best[2]})
                 c = best[0]
                 print(f"M={m:5d} N={n:5d} K={k:5d}: mgpu fp8 {best[2]:7.1f} TFLOP/s ({best[1]:.3f} ms, tm={c.tile_m} "

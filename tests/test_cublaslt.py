@@ -181,8 +181,8 @@ def test_1d_wrapper_validates():
 
 
 def test_fp8_training_routes_fprop_dgrad_and_wgrad_to_cublaslt(monkeypatch):
-    """FP8RL_FP8_GEMM=cublaslt on a (stand-in) GPU: the trainer's fprop and dgrad call the block-scaled
-    GEMM and its wgrad the 1D x 1D one; the gradients equal the reference path's."""
+    """Fp8TrainRecipe(gemm=cublaslt) on a (stand-in) GPU: the trainer's fprop and dgrad call the
+    block-scaled GEMM and its wgrad the 1D x 1D one; the gradients equal the reference path's."""
     import fp8rl_jax.quant.training as T
     from fp8rl_jax.models.policy import Kernels as K
     from fp8rl_jax.quant.training import Fp8TrainRecipe, fp8_linear
@@ -198,7 +198,7 @@ def test_fp8_training_routes_fprop_dgrad_and_wgrad_to_cublaslt(monkeypatch):
         deq = lambda q, s: (q.astype(jnp.float32).reshape(q.shape[0], -1, 128) * s[..., None]).reshape(q.shape)
         return jnp.dot(deq(a, a_s), deq(b, b_s).T, precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
 
-    monkeypatch.setenv("FP8RL_FP8_GEMM", "cublaslt")
+    monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
     monkeypatch.setattr(T, "_interpret", lambda: False)
     monkeypatch.setattr(T.cublaslt, "available", lambda: (True, ""))
     monkeypatch.setattr(T.cublaslt, "one_d_available", lambda: True)
@@ -214,7 +214,7 @@ def test_fp8_training_routes_fprop_dgrad_and_wgrad_to_cublaslt(monkeypatch):
         y, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, recipe, dtype=jnp.float32), x, w)
         return (y, *vjp(dy))
 
-    got = grads(Fp8TrainRecipe(kernels=K.PALLAS))
+    got = grads(Fp8TrainRecipe(kernels=K.PALLAS, gemm=GemmBackend.CUBLASLT))
     assert calls == ["block", "block", "1d"], calls
     want = grads(Fp8TrainRecipe(kernels=K.REFERENCE))
     for g, r in zip(got, want):

@@ -58,6 +58,7 @@ CHECK_SOURCE = SOURCE.with_name("cublaslt_check.cc")
 FFI_TARGET = "fp8rl_cublaslt_fp8_block_gemm"
 _HANDLER = "Fp8rlCublasLtFp8BlockGemm"
 _M_ALIGN = 16
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def cache_dir() -> Path:
@@ -150,8 +151,7 @@ def available() -> tuple[bool, str]:
 
 def supports(n: int, k: int, out_dtype=jnp.bfloat16) -> bool:
     """Whether `fp8_gemm_cublaslt` takes this weight shape and output dtype (any M)."""
-    return (k % BK == 0 and n % _M_ALIGN == 0
-            and jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
+    return k % BK == 0 and n % _M_ALIGN == 0 and jnp.dtype(out_dtype) in _OUT_DTYPES
 
 
 def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
@@ -165,7 +165,7 @@ def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_in
         raise ValueError(f"fp8_gemm_cublaslt needs K % {BK} == 0, got K={k}; use pallas_kernels.fp8_gemm.fp8_gemm")
     if n % _M_ALIGN:
         raise ValueError(f"fp8_gemm_cublaslt needs N % {_M_ALIGN} == 0, got N={n}; use pallas_kernels.fp8_gemm.fp8_gemm")
-    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"fp8_gemm_cublaslt writes bfloat16 or float32, got out_dtype={out_dtype}")
     ok, why = available()
     if not ok:
@@ -175,17 +175,22 @@ def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_in
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
 def _call(a, a_scale, b, b_scale_inv, out_dtype, target=FFI_TARGET):
-    m, k = a.shape
-    n = b.shape[0]
+    kb = a.shape[1] // BK
+    kb4 = -(-kb // 4) * 4  # the 128x128 scales' leading dimension: K blocks rounded up to 4
+    bs = b_scale_inv if kb4 == kb else jnp.pad(b_scale_inv, ((0, 0), (0, kb4 - kb)))
+    return _ffi(a, a_scale.T, b, bs, out_dtype, target, b_blocks=1)
+
+
+def _ffi(a, as_t, b, bs, out_dtype, target, b_blocks: int):
+    """The custom call with A's rows zero-padded to a multiple of 16 (``as_t``: its scales [K/128, M],
+    M-contiguous as cuBLAS reads them) and the padding rows sliced off the output."""
+    m, n = a.shape[0], b.shape[0]
     mp = -(-m // _M_ALIGN) * _M_ALIGN
-    kb = k // BK
-    as_t = a_scale.T  # [K/128, M]: cuBLAS's 1x128 scales are M-contiguous
     if mp != m:
         a = jnp.pad(a, ((0, mp - m), (0, 0)))
         as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
-    kb4 = -(-kb // 4) * 4  # the 128x128 scales' leading dimension: K blocks rounded up to 4
-    bs = b_scale_inv if kb4 == kb else jnp.pad(b_scale_inv, ((0, 0), (0, kb4 - kb)))
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs, b_blocks=np.int32(1))
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs,
+                                                                              b_blocks=np.int32(b_blocks))
     return out[:m] if mp != m else out
 
 
@@ -205,7 +210,7 @@ def fp8_gemm_cublaslt_1d(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
     if n % _M_ALIGN:
         raise ValueError(f"fp8_gemm_cublaslt_1d needs N % {_M_ALIGN} == 0, got N={n}")
     out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"fp8_gemm_cublaslt_1d writes bfloat16 or float32, got out_dtype={out_dtype}")
     ok, why = available()
     if not ok:
@@ -215,19 +220,12 @@ def fp8_gemm_cublaslt_1d(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
 def _call_1d(a, a_scale, b, b_scale, out_dtype, target=FFI_TARGET):
-    m, c = a.shape
-    n = b.shape[0]
+    c = a.shape[1]
     cp = -(-c // BK) * BK
-    mp = -(-m // _M_ALIGN) * _M_ALIGN
     if cp != c:  # zero codes in the padding: their products are exactly 0 whatever the group's scale
         a = jnp.pad(a, ((0, 0), (0, cp - c)))
         b = jnp.pad(b, ((0, 0), (0, cp - c)))
-    as_t, bs_t = a_scale.T, b_scale.T  # [C/128, M], [C/128, N]: both M/N-contiguous
-    if mp != m:
-        a = jnp.pad(a, ((0, mp - m), (0, 0)))
-        as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs_t, b_blocks=np.int32(0))
-    return out[:m] if mp != m else out
+    return _ffi(a, a_scale.T, b, b_scale.T, out_dtype, target, b_blocks=0)  # B's scales N-contiguous too
 
 
 @functools.cache

@@ -64,7 +64,7 @@ from pallas_kernels import fp8_gemm as gemm_kernel
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel
 from pallas_kernels import fp8_grouped_gemm as grouped_gemm_kernel
 from pallas_kernels import fp8_quant as quant_kernel
-from pallas_kernels.common import device_kind, tuning_entries
+from pallas_kernels.common import device_kind, m_bucket, tuning_entries
 
 FP8_PROJS = frozenset({Proj.Q, Proj.K, Proj.V, Proj.O, Proj.GATE, Proj.UP, Proj.DOWN,
                        Proj.EXPERT_GATE, Proj.EXPERT_UP, Proj.EXPERT_DOWN})
@@ -209,7 +209,7 @@ class GemmBackend(enum.Enum):
             except ValueError:
                 raise ValueError(f"FP8RL_FP8_GEMM must be one of auto, mosaic, cublaslt; got {env!r}") from None
         if m is not None and n is not None and k is not None:
-            chosen = _measured_backends(device_kind()).get((gemm_m_bucket(m), n, k))
+            chosen = _measured_backends(device_kind()).get((m_bucket(m), n, k))
             if chosen is not None:
                 return chosen
         return GemmBackend.MOSAIC
@@ -237,11 +237,6 @@ def use_cublaslt(gemm: GemmBackend, m: int, n: int, k: int, out_dtype: Any) -> b
 # Measured per device kind (``experiments/bench_gemm.py --backend-table-out``): the faster dense FP8 GEMM
 # (Mosaic kernel or cuBLASLt) per (M bucket, N, K); `GemmBackend.AUTO` follows it.
 GEMM_BACKEND_TABLE = Path(__file__).with_name("fp8_gemm_backends.json")
-
-
-def gemm_m_bucket(m: int) -> int:
-    """The M key of the measured tables: the next power of two, at least 64."""
-    return max(64, 1 << (max(m, 1) - 1).bit_length())
 
 
 @functools.cache

@@ -72,12 +72,12 @@ HIGHEST precision: exact products, float32 sums, the same math as the kernel's p
 promotion in another order. On a GPU backend (``AUTO``) or with ``Kernels.PALLAS`` the weight
 quantization runs ``pallas_kernels.fp8_quant`` (bit-identical), and the fprop and the dgrad run
 ``pallas_kernels.fp8_gemm_mgpu`` (TMA + wgmma; ``pallas_kernels.fp8_gemm`` for shapes it does not
-take), or cuBLASLt's block-scaled FP8 with ``FP8RL_FP8_GEMM=cublaslt`` (``fp8rl_jax.quant.cublaslt``),
+take), or cuBLASLt's block-scaled FP8 (``fp8rl_jax.quant.cublaslt``) as ``Fp8TrainRecipe.gemm`` picks,
 when the block is 128x128 and the operands are E4M3 (dgrad with E5M2 gradients falls back
 to the reference). The wgrad (per-row scales on *both* operands) multiplies the FP8 codes
 dequantized to BF16 on the BF16 tensor cores (``_wgrad``: within 2^-9 of the reference, far
-below the FP8 step), or in FP8 on cuBLASLt's 1Dx1D scaling with ``FP8RL_FP8_GEMM=cublaslt`` where the
-GPU's cuBLASLt has it; the MoE GEMMs use the reference.
+below the FP8 step), or in FP8 on cuBLASLt's 1Dx1D scaling when ``gemm`` names cuBLASLt (the field or
+``FP8RL_FP8_GEMM``) and the GPU's cuBLASLt has it; the MoE GEMMs use the reference.
 
 Where we deviate, and why
 -------------------------
@@ -142,18 +142,23 @@ class Fp8TrainRecipe:
         the weight blocks along each contraction axis.
       token_group: group length along tokens of both wgrad operands (128 tokens x 1 channel).
       kernels: Pallas kernels or the jnp reference (``Kernels``).
+      gemm: the fprop/dgrad (and, with cuBLASLt, wgrad) GEMM on the GPU (`GemmBackend`): the Mosaic
+        kernel or cuBLASLt; AUTO follows ``FP8RL_FP8_GEMM``, else the measured per-shape table.
     """
 
     grad_format: Fp8Format = Fp8Format.E4M3
     block_size: tuple[int, int] = (128, 128)
     token_group: int = 128
     kernels: Kernels = Kernels.AUTO
+    gemm: GemmBackend = GemmBackend.AUTO
 
     def __post_init__(self) -> None:
         if not isinstance(self.grad_format, Fp8Format):
             raise ValueError(f"grad_format must be an Fp8Format, got {self.grad_format!r}")
         if not isinstance(self.kernels, Kernels):
             raise ValueError(f"kernels must be a Kernels, got {self.kernels!r}")
+        if not isinstance(self.gemm, GemmBackend):
+            raise ValueError(f"gemm must be a GemmBackend, got {self.gemm!r}")
         bs = self.block_size
         if not (isinstance(bs, tuple) and len(bs) == 2 and all(_positive_int(b) for b in bs)):
             raise ValueError(f"block_size must be a pair of positive ints (bn, bk), got {bs!r}")
@@ -201,21 +206,22 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _block_gemm(aq: jax.Array, a_s: jax.Array, bq: jax.Array, b_s: jax.Array, dt: Any) -> jax.Array:
+def _block_gemm(aq: jax.Array, a_s: jax.Array, bq: jax.Array, b_s: jax.Array, dt: Any,
+                gemm: GemmBackend) -> jax.Array:
     """FP8 ``A [M, K] (1x128) @ B [N, K]ᵀ (128x128)`` on the GPU GEMMs, as ``W8A8Policy`` picks
-    them: cuBLASLt's block-scaled FP8 where `GemmBackend.AUTO` picks it (``FP8RL_FP8_GEMM=cublaslt``, or the
-    measured table for the shape) and it takes the shape, else the Mosaic GPU kernel (TMA + wgmma) where
+    them: cuBLASLt's block-scaled FP8 where ``gemm`` picks it (by name, ``FP8RL_FP8_GEMM``, or the measured
+    table for the shape) and it takes the shape, else the Mosaic GPU kernel (TMA + wgmma) where
     it takes the shape, else the Triton one."""
     m, k = aq.shape
     n = bq.shape[0]
-    if not _interpret() and use_cublaslt(GemmBackend.AUTO, m, n, k, dt):
+    if not _interpret() and use_cublaslt(gemm, m, n, k, dt):
         return cublaslt.fp8_gemm_cublaslt(aq, a_s, bq, b_s, out_dtype=dt)
     if mgpu_kernel.supports(m, n, k):
         return mgpu_kernel.fp8_gemm_mgpu(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
     return gemm_kernel.fp8_gemm(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
 
 
-def _wgrad(dytq, dyts, xtq, xts, group: int, kernels: bool) -> jax.Array:
+def _wgrad(dytq, dyts, xtq, xts, group: int, kernels: bool, gemm: GemmBackend) -> jax.Array:
     """dW [N, K] float32 = dyᵀ x from 128x1-grouped FP8 codes (``_quant_cols`` layouts).
 
     Reference: both operands dequantized to float32, HIGHEST-precision dot (exact products,
@@ -223,12 +229,12 @@ def _wgrad(dytq, dyts, xtq, xts, group: int, kernels: bool) -> jax.Array:
     tensor cores with float32 accumulation: an E4M3 code has 4 significant bits, so ``code x
     scale`` rounded to BF16's 8 loses at most 2^-9 relative, 32x below the FP8 quantization step
     (2^-4) that defines the recipe; float32 HIGHEST dots run at a small fraction of the tensor
-    cores' rate. With ``FP8RL_FP8_GEMM=cublaslt`` and E4M3 gradients it runs in FP8 on cuBLASLt's 1Dx1D
+    cores' rate. When ``gemm`` names cuBLASLt and the gradients are E4M3 it runs in FP8 on cuBLASLt's 1Dx1D
     scaling where this GPU's cuBLASLt has it (`cublaslt.one_d_available`)."""
     if not kernels:
         return _dot_nt(_deq_rows(dytq, dyts, group), _deq_rows(xtq, xts, group))
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
-    if (group == 128 and not _interpret() and GemmBackend.AUTO.describe() == GemmBackend.CUBLASLT.value
+    if (group == 128 and not _interpret() and gemm.describe() == GemmBackend.CUBLASLT.value
             and jnp.dtype(dytq.dtype) == fp8 and jnp.dtype(xtq.dtype) == fp8 and xtq.shape[0] % 16 == 0
             and cublaslt.one_d_available()):  # FP8 x FP8 on the tensor cores, 1D x 1D scales
         return cublaslt.fp8_gemm_cublaslt_1d(dytq, dyts, xtq, xts, out_dtype=jnp.float32)
@@ -249,7 +255,7 @@ def _linear_fwd_impl(x: jax.Array, w: jax.Array, spec: _Spec):
     m, k = x.shape
     n = w.shape[0]
     if r._gemm_kernel(Fp8Format.E4M3) and min(m, n, k) > 0:
-        y = _block_gemm(xq, xs, qw.q, qw.scale_inv, dt)
+        y = _block_gemm(xq, xs, qw.q, qw.scale_inv, dt, r.gemm)
     else:
         y = _dot_nt(_deq_rows(xq, xs, bk), qw.dequantize(jnp.float32)).astype(dt)
     # The wgrad's x, 128x1 along tokens, from high precision; the 1x128 copy is not kept.
@@ -276,13 +282,13 @@ def _fp8_linear_bwd(spec: _Spec, res, dy: jax.Array):
     # dgrad: dy per token in 1 x bn groups along N (the contraction), W's blocks reused transposed.
     dyq, dys = quantize_activations(dy, bn, r.grad_format)
     if r._gemm_kernel(r.grad_format) and min(m, n, k) > 0:
-        dx = _block_gemm(dyq, dys, qw.q.T, qw.scale_inv.T, dt)
+        dx = _block_gemm(dyq, dys, qw.q.T, qw.scale_inv.T, dt, r.gemm)
     else:
         dx = jax.lax.dot_general(_deq_rows(dyq, dys, bn), qw.dequantize(jnp.float32), (((1,), (0,)), ((), ())),
                                  precision=_HIGHEST, preferred_element_type=jnp.float32).astype(dt)
     # wgrad: both operands in 128x1 groups along the token axis M (the contraction).
     dytq, dyts = _quant_cols(dy, g, r.grad_format)  # [N, M], [N, M/g]
-    dw = _wgrad(dytq, dyts, xtq, xts, g, r.kernels.pallas())  # [N, K] float32
+    dw = _wgrad(dytq, dyts, xtq, xts, g, r.kernels.pallas(), r.gemm)  # [N, K] float32
     return dx, dw.astype(spec.w_dtype)
 
 
