@@ -298,6 +298,15 @@ def default_config(m: int, n: int, k: int | None = None) -> MgpuGemmConfig:
     return DEFAULT_CONFIG
 
 
+def fit_shared_memory(config: MgpuGemmConfig, out_dtype) -> MgpuGemmConfig:
+    """``config`` with fewer pipeline stages (down to 2) where its epilogue buffers in ``out_dtype``
+    would not fit beside them: the tuned configs are measured with bfloat16 output, and a float32
+    output doubles the epilogue (128 x 64 tiles with 4 stages: 233,472 bytes, over the limit)."""
+    while config.smem_bytes(out_dtype) > _SMEM_BYTES and config.max_concurrent_steps > 2:
+        config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+    return config
+
+
 # Fewest K blocks dispatchers send here. Session 3 saw one K = 256 input 3.7e-2 off and raised this
 # to 4; session 4 traced that to the jitted *reference* on XLA:GPU, which had dropped its FP8
 # rounding (`fp8rl_jax.quant.fp8.codes_to_float32`), not to this kernel: natively it is 1.3e-4 off
@@ -521,7 +530,7 @@ def fp8_gemm_mgpu(
     m, k = a.shape
     n = b.shape[0]
     if config is None:
-        config = default_config(m, n, k)
+        config = fit_shared_memory(default_config(m, n, k), out_dtype)
     if not isinstance(config, MgpuGemmConfig):
         raise ValueError(f"config must be a MgpuGemmConfig or None, got {type(config).__name__}")
     if k % BK:

@@ -106,9 +106,11 @@ int cublasLtMatmulPreferenceSetAttribute(Pref* p, int attr, const void* buf, siz
   return 0;
 }
 // An algorithm exists for what Hopper's block-scaled FP8 takes: TN, E4M3 x E4M3, A scaled 128x128 or 1x128,
-// B scaled 1x128, both K-major with the same K, D = C.
+// B scaled 1x128, both K-major with the same K, D = C. Like the real library, a block scale mode without its scale
+// pointer already set is an invalid value (status 7) at the heuristic query, not only at the matmul.
 int cublasLtMatmulAlgoGetHeuristic(void*, Desc* d, Layout* a, Layout* b, Layout* c, Layout* dl, Pref* p, int requested,
                                    Heuristic* result, int* found) {
+  if (d->a_scale == nullptr || d->b_scale == nullptr) return kInvalid;
   const bool ok = d->transa == 1 && d->transb == 0 && a->type == 28 && b->type == 28 && a->rows == b->rows &&
                   (d->a_mode == 5 || d->a_mode == 4) && d->b_mode == 4 && c == dl && dl->rows == a->cols &&
                   dl->cols == b->cols && (dl->type == 14 || dl->type == 0) && requested >= 1 &&

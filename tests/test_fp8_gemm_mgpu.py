@@ -224,6 +224,17 @@ def test_default_config_choice():
         assert cfg.smem_bytes(jnp.bfloat16) <= G._SMEM_BYTES
 
 
+def test_default_config_fits_shared_memory_with_float32_out():
+    # the tuned M = 256, N = 6144 config of the H200 table: 128 x 64 tiles, 4 stages; bf16 out fits, f32 does not
+    tuned = G.MgpuGemmConfig(128, 64, G.MatmulDimension.M, 4, G.MatmulDimension.N, 1)
+    assert tuned.smem_bytes(jnp.bfloat16) <= G._SMEM_BYTES < tuned.smem_bytes(jnp.float32)
+    fitted = G.fit_shared_memory(tuned, jnp.float32)
+    assert fitted == dataclasses.replace(tuned, max_concurrent_steps=3)
+    assert fitted.smem_bytes(jnp.float32) <= G._SMEM_BYTES
+    assert G.fit_shared_memory(tuned, jnp.bfloat16) == tuned  # untouched where it fits
+    assert G.fit_shared_memory(G.DEFAULT_CONFIG, jnp.float32) == G.DEFAULT_CONFIG
+
+
 def test_main_without_gpu_is_a_noop(capsys):
     if jax.default_backend() == "gpu":
         pytest.skip("main() benchmarks on a GPU")

@@ -170,7 +170,11 @@ struct PlanKeyHash {
 };
 thread_local std::unordered_map<PlanKey, Plan, PlanKeyHash> t_plans;
 
-ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type, int32_t b_mode, Plan* plan) {
+// The scale pointers (sa: cuBLAS A's = our weight's, sb: cuBLAS B's = our activations') go on the descriptor before
+// the heuristic query: cuBLASLt refuses a block scale mode without its pointer (CUBLAS_STATUS_INVALID_VALUE, "the
+// scaling mode for A scale requires a custom pointer"); they are set again at every call.
+ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type, int32_t b_mode, const void* sa,
+                    const void* sb, Plan* plan) {
   LT_CHECK(g_lt.MatmulDescCreate(&plan->desc, kComputeF32, kCudaR32F), "matmul descriptor");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransA, &kOpT, sizeof(kOpT)), "TRANSA");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransB, &kOpN, sizeof(kOpN)), "TRANSB");
@@ -178,6 +182,8 @@ ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type
            b_mode == kScaleBlk128x128F32 ? "A scale mode (BLK128x128_32F)" : "A scale mode (VEC128_32F)");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescBScaleMode, &kScaleVec128F32, sizeof(int32_t)),
            "B scale mode (VEC128_32F)");
+  LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescAScalePtr, &sa, sizeof(sa)), "A scale pointer");
+  LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescBScalePtr, &sb, sizeof(sb)), "B scale pointer");
   // column-major: A = weight as K x N (ld K), B = activations as K x M (ld K), D = out^T as N x M (ld N)
   LT_CHECK(g_lt.MatrixLayoutCreate(&plan->a, kCudaR8FE4M3, k, n, k), "A layout");
   LT_CHECK(g_lt.MatrixLayoutCreate(&plan->b, kCudaR8FE4M3, k, m, k), "B layout");
@@ -243,17 +249,17 @@ ffi::Error RunGemm(Stream stream, Allocate allocate, int32_t device, int32_t b_b
     }
     handle = it->second;
   }
+  const void* sa = b_scale.typed_data();    // cuBLAS A = our weight
+  const void* sb = a_scale_t.typed_data();  // cuBLAS B = our activations
   PlanKey key{device, m, n, k, out_type, b_mode};
   auto it = t_plans.find(key);
   if (it == t_plans.end()) {
     Plan plan;
-    ffi::Error e = MakePlan(handle, m, n, k, out_type, b_mode, &plan);
+    ffi::Error e = MakePlan(handle, m, n, k, out_type, b_mode, sa, sb, &plan);
     if (e.failure()) return e;
     it = t_plans.emplace(key, plan).first;
   }
   Plan& plan = it->second;
-  const void* sa = b_scale.typed_data();    // cuBLAS A = our weight
-  const void* sb = a_scale_t.typed_data();  // cuBLAS B = our activations
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan.desc, kDescAScalePtr, &sa, sizeof(sa)), "A scale pointer");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan.desc, kDescBScalePtr, &sb, sizeof(sb)), "B scale pointer");
   void* workspace = nullptr;
