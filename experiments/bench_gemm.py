@@ -184,12 +184,13 @@ def bench_torch_blockwise(qas, qws, ref, row) -> float:
     sets = []
     for (a, s), w in zip(qas, qws):
         kb = s.shape[1]
-        # A scales [M, kb] must be outer-dim-major (strides (1, M)); B scales [kb(padded to 4), nb] likewise.
+        # A scales [M, kb] must be outer-dim-major (strides (1, M)); B scales [kb padded to 4, nb] likewise, the
+        # padding rows included (torch checks the padded shape: K = 768 needs 8 x nb, not 6 x nb)
         sa = t(s.T).contiguous().t()
         kb4 = -(-kb // 4) * 4
         sb = torch.zeros((w.scale_inv.shape[0], kb4), dtype=torch.float32, device="cuda")
         sb[:, :kb] = t(w.scale_inv)
-        sets.append((t(a), t(w.q).t(), sa, sb.t()[:kb]))
+        sets.append((t(a), t(w.q).t(), sa, sb.t()))
 
     def call(a, bt, sa, sb):
         return F.scaled_mm(a, bt, scale_a=[sa], scale_recipe_a=[F.ScalingType.BlockWise1x128],

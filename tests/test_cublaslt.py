@@ -156,13 +156,24 @@ def test_lowers_for_cuda_with_the_handlers_contract():
     text = cublaslt._call.trace(a, s, b, bs, jnp.dtype(jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1 and f"@{cublaslt.FFI_TARGET}(" in calls[0] and "b_blocks = 1 : i32" in calls[0]
+    ws = f"tensor<{cublaslt.WORKSPACE_BYTES}xui8>"  # cuBLASLt's workspace: a second result, allocated by XLA
     assert ("(tensor<112x768xf8E4M3FN>, tensor<6x112xf32>, tensor<384x768xf8E4M3FN>, tensor<3x8xf32>) -> "
-            "tensor<112x384xbf16>") in calls[0]
+            f"(tensor<112x384xbf16>, {ws})") in calls[0]
     sb1 = jax.ShapeDtypeStruct((384, 6), jnp.float32)
     text = cublaslt._call_1d.trace(a, s, b, sb1, jnp.dtype(jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1 and "b_blocks = 0 : i32" in calls[0]
-    assert "tensor<6x384xf32>) -> tensor<112x384xf32>" in calls[0]
+    assert f"tensor<6x384xf32>) -> (tensor<112x384xf32>, {ws})" in calls[0]
+
+
+def test_graph_capturable_registration_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("FP8RL_CUBLASLT_GRAPHS", raising=False)
+    assert cublaslt.ffi_target() == cublaslt.FFI_TARGET
+    monkeypatch.setenv("FP8RL_CUBLASLT_GRAPHS", "0")
+    assert cublaslt.ffi_target() == cublaslt.FFI_TARGET_EAGER
+    if not ON_GPU:  # both handler symbols exist in the built library (registered for CUDA by `load`)
+        lib = ctypes.CDLL(str(cublaslt.build()))
+        assert lib.Fp8rlCublasLtFp8BlockGemm and lib.Fp8rlCublasLtFp8BlockGemmEager
 
 
 def test_1d_wrapper_validates():

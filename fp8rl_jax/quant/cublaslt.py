@@ -20,7 +20,10 @@ transposed) with its 128x128 scales as stored, ``[N/128, K/128]`` with the K blo
 multiple of 4; the activations are its B operand (K-major) with the 1x128 scales transposed to
 ``[K/128, M]``; M is padded to a multiple of 16 (zero rows) so every leading dimension is 16-byte
 aligned. The wrapper does those (small) copies; the handler checks shapes and dtypes again and
-caches cuBLASLt's algorithm choice per (device, M, N, K, out dtype) and thread.
+caches cuBLASLt's algorithm choice per (device, M, N, K, out dtype) and thread. cuBLASLt's
+workspace (``WORKSPACE_BYTES``) is a second result of the call, so XLA allocates it with the
+other buffers and the call can sit in XLA's command buffers (CUDA graphs) with the kernels around
+it; ``FP8RL_CUBLASLT_GRAPHS=0`` registers calls that always launch from the host instead.
 
 `fp8_gemm_cublaslt_1d` is the same call with 1x128 scales on *both* operands (``VEC128_32F`` for
 cuBLAS's A too, its scales ``[C/128, N]``): the weight gradient of FP8 training, where both operands
@@ -50,13 +53,15 @@ import numpy as np
 
 from pallas_kernels.fp8_gemm import BK, _check_operands
 
-__all__ = ["FFI_TARGET", "SOURCE", "available", "build", "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d",
+__all__ = ["FFI_TARGET", "FFI_TARGET_EAGER", "SOURCE", "WORKSPACE_BYTES", "available", "build", "ffi_target", "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d",
            "load", "one_d_available", "supports"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cublaslt_fp8_gemm.cc"
 CHECK_SOURCE = SOURCE.with_name("cublaslt_check.cc")
-FFI_TARGET = "fp8rl_cublaslt_fp8_block_gemm"
-_HANDLER = "Fp8rlCublasLtFp8BlockGemm"
+FFI_TARGET = "fp8rl_cublaslt_fp8_block_gemm"  # XLA may capture it into its command buffers (CUDA graphs)
+FFI_TARGET_EAGER = "fp8rl_cublaslt_fp8_block_gemm_eager"  # the same handler, always launched from the host
+_HANDLERS = {FFI_TARGET: "Fp8rlCublasLtFp8BlockGemm", FFI_TARGET_EAGER: "Fp8rlCublasLtFp8BlockGemmEager"}
+WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace, a second result of every call (the size NVIDIA suggests for Hopper)
 _M_ALIGN = 16
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -125,8 +130,14 @@ def load() -> ctypes.CDLL:
     lib.fp8rl_cublaslt_load.restype = ctypes.c_size_t
     path = find_cublaslt()
     lib.fp8rl_cublaslt_set_library(str(path).encode() if path else b"")
-    jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(getattr(lib, _HANDLER)), platform="CUDA")
+    for target, handler in _HANDLERS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)), platform="CUDA")
     return lib
+
+
+def ffi_target() -> str:
+    """The registration calls use: the graph-capturable one unless ``FP8RL_CUBLASLT_GRAPHS=0``."""
+    return FFI_TARGET_EAGER if os.environ.get("FP8RL_CUBLASLT_GRAPHS", "1") == "0" else FFI_TARGET
 
 
 def cublaslt_version() -> tuple[int, str]:
@@ -170,7 +181,7 @@ def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_in
     ok, why = available()
     if not ok:
         raise RuntimeError(f"fp8_gemm_cublaslt cannot run here: {why}")
-    return _call(a, a_scale, b, b_scale_inv, out_dtype)
+    return _call(a, a_scale, b, b_scale_inv, out_dtype, target=ffi_target())
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
@@ -189,8 +200,9 @@ def _ffi(a, as_t, b, bs, out_dtype, target, b_blocks: int):
     if mp != m:
         a = jnp.pad(a, ((0, mp - m), (0, 0)))
         as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((mp, n), out_dtype))(a, as_t, b, bs,
-                                                                              b_blocks=np.int32(b_blocks))
+    out, _ = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct((mp, n), out_dtype),
+                                       jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)))(
+        a, as_t, b, bs, b_blocks=np.int32(b_blocks))
     return out[:m] if mp != m else out
 
 
@@ -215,7 +227,7 @@ def fp8_gemm_cublaslt_1d(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale
     ok, why = available()
     if not ok:
         raise RuntimeError(f"fp8_gemm_cublaslt_1d cannot run here: {why}")
-    return _call_1d(a, a_scale.astype(jnp.float32), b, b_scale.astype(jnp.float32), out_dtype)
+    return _call_1d(a, a_scale.astype(jnp.float32), b, b_scale.astype(jnp.float32), out_dtype, target=ffi_target())
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
@@ -238,7 +250,7 @@ def one_d_available() -> bool:
         with jax.ensure_compile_time_eval():  # concrete even when asked while tracing
             z = jnp.zeros((128, 128), jnp.float8_e4m3fn)
             s = jnp.ones((128, 1), jnp.float32)
-            jax.block_until_ready(_call_1d(z, s, z, s, jnp.dtype(jnp.float32)))
+            jax.block_until_ready(_call_1d(z, s, z, s, jnp.dtype(jnp.float32), target=ffi_target()))
         return True
     except Exception:  # cuBLASLt has no algorithm for it: the handler's error
         return False

@@ -19,12 +19,10 @@
 
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
 #include <unordered_map>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -70,7 +68,6 @@ constexpr int kPrefMaxWorkspace = 1;        // CUBLASLT_MATMUL_PREF_MAX_WORKSPAC
 namespace {
 
 using namespace fp8rl_lt;
-constexpr uint64_t kMaxWorkspace = 32ull << 20;
 
 struct Lt {
   Status (*Create)(Handle*);
@@ -174,7 +171,7 @@ thread_local std::unordered_map<PlanKey, Plan, PlanKeyHash> t_plans;
 // the heuristic query: cuBLASLt refuses a block scale mode without its pointer (CUBLAS_STATUS_INVALID_VALUE, "the
 // scaling mode for A scale requires a custom pointer"); they are set again at every call.
 ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type, int32_t b_mode, const void* sa,
-                    const void* sb, Plan* plan) {
+                    const void* sb, uint64_t max_workspace, Plan* plan) {
   LT_CHECK(g_lt.MatmulDescCreate(&plan->desc, kComputeF32, kCudaR32F), "matmul descriptor");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransA, &kOpT, sizeof(kOpT)), "TRANSA");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransB, &kOpN, sizeof(kOpN)), "TRANSB");
@@ -190,7 +187,7 @@ ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type
   LT_CHECK(g_lt.MatrixLayoutCreate(&plan->d, out_type, n, m, n), "D layout");
   Preference pref;
   LT_CHECK(g_lt.MatmulPreferenceCreate(&pref), "preference");
-  uint64_t ws = kMaxWorkspace;
+  uint64_t ws = max_workspace;
   LT_CHECK(g_lt.MatmulPreferenceSetAttribute(pref, kPrefMaxWorkspace, &ws, sizeof(ws)), "workspace preference");
   HeuristicResult result;
   std::memset(&result, 0, sizeof(result));
@@ -208,11 +205,12 @@ ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type
   return ffi::Error::Success();
 }
 
-// The GEMM on `stream` with a workspace from `allocate` (bytes -> pointer or nullptr).
-template <typename Allocate>
-ffi::Error RunGemm(Stream stream, Allocate allocate, int32_t device, int32_t b_blocks, ffi::AnyBuffer a,
-                   ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale,
-                   ffi::Result<ffi::AnyBuffer> out) {
+// The GEMM on `stream`. cuBLASLt's workspace is the call's second result (a byte buffer XLA allocates with the
+// others, so the call needs no allocation of its own and can be captured into a CUDA graph); the algorithm is
+// chosen for that size.
+ffi::Error RunGemm(Stream stream, int32_t device, int32_t b_blocks, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t,
+                   ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Result<ffi::AnyBuffer> workspace_buf) {
   // a [M, K] e4m3, a_scale_t [K/128, M], b [N, K] e4m3, out [M, N]; b_scale: with b_blocks (weights) the
   // 128x128 scales [N/128, ld >= K/128, ld % 4 == 0], else 1x128 per row of b, transposed: [K/128, N]
   auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
@@ -255,18 +253,16 @@ ffi::Error RunGemm(Stream stream, Allocate allocate, int32_t device, int32_t b_b
   auto it = t_plans.find(key);
   if (it == t_plans.end()) {
     Plan plan;
-    ffi::Error e = MakePlan(handle, m, n, k, out_type, b_mode, sa, sb, &plan);
+    ffi::Error e = MakePlan(handle, m, n, k, out_type, b_mode, sa, sb, workspace_buf->size_bytes(), &plan);
     if (e.failure()) return e;
     it = t_plans.emplace(key, plan).first;
   }
   Plan& plan = it->second;
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan.desc, kDescAScalePtr, &sa, sizeof(sa)), "A scale pointer");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan.desc, kDescBScalePtr, &sb, sizeof(sb)), "B scale pointer");
-  void* workspace = nullptr;
-  if (plan.workspace > 0) {
-    workspace = allocate(plan.workspace);
-    if (workspace == nullptr) return ffi::Error::Internal("fp8 block GEMM: no workspace memory");
-  }
+  if (plan.workspace > workspace_buf->size_bytes())
+    return ffi::Error::Internal("fp8 block GEMM: the algorithm wants more workspace than the call has");
+  void* workspace = plan.workspace > 0 ? workspace_buf->untyped_data() : nullptr;
   const float alpha = 1.0f, beta = 0.0f;
   void* d = out->untyped_data();
   LT_CHECK(g_lt.Matmul(handle, plan.desc, &alpha, b.untyped_data(), plan.a, a.untyped_data(), plan.b, &beta, d,
@@ -275,24 +271,19 @@ ffi::Error RunGemm(Stream stream, Allocate allocate, int32_t device, int32_t b_b
   return ffi::Error::Success();
 }
 
-ffi::Error Fp8BlockGemm(Stream stream, ffi::ScratchAllocator scratch, int32_t device, int32_t b_blocks,
-                        ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b,
-                        ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out) {
-  auto allocate = [&scratch](size_t bytes) -> void* { return scratch.Allocate(bytes, 256).value_or(nullptr); };
-  return RunGemm(stream, allocate, device, b_blocks, a, a_scale_t, b, b_scale, out);
+ffi::Error Fp8BlockGemm(Stream stream, int32_t device, int32_t b_blocks, ffi::AnyBuffer a,
+                        ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  return RunGemm(stream, device, b_blocks, a, a_scale_t, b, b_scale, out, workspace);
 }
 
 // The same GEMM on host buffers, no stream (device 0, workspace from the heap): for tests on the CPU platform
 // against a host-memory stand-in of cuBLASLt (tests/fake_cublaslt.cc), which check the descriptors, layouts
 // and scale pointers this file hands to cuBLASLt. Never registered by fp8rl_jax itself.
 ffi::Error Fp8BlockGemmHost(int32_t b_blocks, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b,
-                            ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out) {
-  std::vector<std::unique_ptr<char[]>> held;
-  auto allocate = [&held](size_t bytes) -> void* {
-    held.emplace_back(new char[bytes]);
-    return held.back().get();
-  };
-  return RunGemm(nullptr, allocate, 0, b_blocks, a, a_scale_t, b, b_scale, out);
+                            ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> workspace) {
+  return RunGemm(nullptr, 0, b_blocks, a, a_scale_t, b, b_scale, out, workspace);
 }
 
 }  // namespace
@@ -304,19 +295,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemmHost, Fp8BlockGemmHost,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemm, Fp8BlockGemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<Stream>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int32_t>("b_blocks")  // 1: 128x128 B scales, 0: 1x128
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>());
+#define FP8RL_GEMM_BINDING                                                          \
+  ffi::Ffi::Bind()                                                                  \
+      .Ctx<ffi::PlatformStream<Stream>>()                                           \
+      .Ctx<ffi::DeviceOrdinal>()                                                    \
+      .Attr<int32_t>("b_blocks") /* 1: 128x128 B scales, 0: 1x128 */                \
+      .Arg<ffi::AnyBuffer>()                                                        \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                 \
+      .Arg<ffi::AnyBuffer>()                                                        \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                 \
+      .Ret<ffi::AnyBuffer>() /* out */                                              \
+      .Ret<ffi::AnyBuffer>() /* cuBLASLt's workspace */
+
+// Two registrations of one handler: XLA may capture the first into its command buffers (CUDA graphs), so a jitted
+// decode loop replays it with the kernels around it instead of returning to the host for every call; the second
+// runs it eagerly from the host, for where graph capture of cuBLASLt fails (fp8rl_jax.quant.cublaslt picks).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemm, Fp8BlockGemm, FP8RL_GEMM_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemmEager, Fp8BlockGemm, FP8RL_GEMM_BINDING);
 
 extern "C" {
 
