@@ -39,12 +39,13 @@ sys.path.insert(0, str(ROOT))
 
 from fp8rl_jax.environment import run_environment  # noqa: E402
 from fp8rl_jax.quant import cublaslt  # noqa: E402
-from fp8rl_jax.quant.policy import GEMM_BACKEND_TABLE  # noqa: E402
+from fp8rl_jax.quant.policy import GEMM_BACKEND_TABLE, backend_defaults  # noqa: E402
 from fp8rl_jax.quant import quantize_activations, quantize_weight_blockwise  # noqa: E402
 from pallas_kernels import fp8_gemm as gemm_kernel  # noqa: E402
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel  # noqa: E402
 from pallas_kernels import fp8_quant as quant_kernel  # noqa: E402
 from pallas_kernels.common import m_bucket, replay_ms, write_tuning  # noqa: E402
+from pallas_kernels.fp8_gemm import BK  # noqa: E402
 
 BENCH_M = (64, 256, 2048, 8192)
 QWEN3_8B_NK = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288))
@@ -156,6 +157,17 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool, triton: bool = True
             row["ours_cublaslt"]["rel_err_vs_reference"] = err
         except Exception as e:
             row["ours_cublaslt"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        if cublaslt.one_d_available():  # the same product with the weight's 128x128 scales repeated per row:
+            try:  # cuBLASLt's 1x128 x 1x128 scaling, the configuration of its samples' operand order
+                def one_d(a, s, b, bs):
+                    return cublaslt.fp8_gemm_cublaslt_1d(a, s, b, jnp.repeat(bs, BK, axis=0)[:n],
+                                                         out_dtype=jnp.bfloat16)
+                out = one_d(qa, sa, qws[0].q, qws[0].scale_inv).astype(jnp.float32)
+                err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+                record("ours_cublaslt_1d", replay_ms(one_d, [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)]))
+                row["ours_cublaslt_1d"]["rel_err_vs_reference"] = err  # bf16 output: ~1e-3
+            except Exception as e:
+                row["ours_cublaslt_1d"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     elif not ok:
         row["ours_cublaslt"] = {"error": why}
     record("xla_bf16", replay_ms(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16),
@@ -243,12 +255,23 @@ def backend_entries(rows: list[dict], kind: str) -> list[dict]:
     return out
 
 
+def write_backend_table(path: Path, entries: list[dict]) -> None:
+    """`GEMM_BACKEND_TABLE` with ``entries`` merged in (they replace the shapes they measure) and its
+    per-device-kind defaults kept."""
+    write_tuning(path, mgpu_kernel.merged_tuning(GEMM_BACKEND_TABLE, entries))
+    defaults = backend_defaults(GEMM_BACKEND_TABLE)
+    if defaults:
+        table = json.loads(Path(path).read_text())
+        table["defaults"] = defaults
+        Path(path).write_text(json.dumps(table, indent=1) + "\n")
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [f"# FP8 GEMM on {env['device']} ({env['date']})", "",
              f"jax {env['jax']}, torch {env['torch']}; TFLOP/s, median of 10 (R distinct input sets per replay).", "",
-             "| M | N | K | ours Triton | ours Mosaic | cuBLASLt via our FFI | cuBLAS FP8 block (torch) | XLA FP8 tensorwise | XLA BF16 | best own kernel / cuBLAS block | best own kernel / BF16 | best dispatchable (incl. cuBLASLt) / BF16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| M | N | K | ours Triton | ours Mosaic | cuBLASLt via our FFI | cuBLASLt 1D x 1D (weight scales per row) | cuBLAS FP8 block (torch) | XLA FP8 tensorwise | XLA BF16 | best own kernel / cuBLAS block | best own kernel / BF16 | best dispatchable (incl. cuBLASLt) / BF16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["gemm"]:
         def tf(k):
             v = r.get(k, {})
@@ -259,7 +282,8 @@ def markdown(results: dict) -> str:
         stack = max((v for v in (tri, mos, lt) if v is not None), default=None)  # what the dispatcher can pick
         fmt = lambda v: "n/a" if v is None else f"{v:.0f}"
         ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"
-        lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {fmt(tri)} | {fmt(mos)} | {fmt(lt)} | {fmt(cub)} | {fmt(x8)} | {fmt(bf)} | "
+        lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {fmt(tri)} | {fmt(mos)} | {fmt(lt)} | {fmt(tf('ours_cublaslt_1d'))} | "
+                     f"{fmt(cub)} | {fmt(x8)} | {fmt(bf)} | "
                      f"{ratio(ours, cub)} | {ratio(ours, bf)} | {ratio(stack, bf)} |")
     ws = results.get("weight_sync")
     if ws:
@@ -305,7 +329,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
             if args.backend_table_out is not None:  # after every shape: a cut run keeps what it measured
                 entries = backend_entries(results["gemm"], mgpu_kernel._device_kind())
-                write_tuning(args.backend_table_out, mgpu_kernel.merged_tuning(GEMM_BACKEND_TABLE, entries))
+                write_backend_table(args.backend_table_out, entries)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1) + "\n")  # a cut-short run keeps what it measured
     if not args.skip_sync:

@@ -234,7 +234,10 @@ def test_fp8_training_routes_fprop_dgrad_and_wgrad_to_cublaslt(monkeypatch):
 
 
 def test_gemm_backend_resolution(monkeypatch):
+    import fp8rl_jax.quant.policy as P
+
     monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
+    monkeypatch.setattr(P, "device_kind", lambda: "a device kind never measured")
     assert GemmBackend.AUTO.resolve() is GemmBackend.MOSAIC
     monkeypatch.setenv("FP8RL_FP8_GEMM", "cublaslt")
     assert GemmBackend.AUTO.resolve() is GemmBackend.CUBLASLT
@@ -246,7 +249,8 @@ def test_gemm_backend_resolution(monkeypatch):
 
 def test_auto_follows_the_measured_table_per_shape(tmp_path, monkeypatch):
     """AUTO: the variable first, else the faster backend measured on this device kind at the shape's
-    (M bucket, N, K), else Mosaic; bench_gemm's entries are what the table holds."""
+    (M bucket, N, K), else the table's default for the device kind, else Mosaic; bench_gemm's entries
+    are what the table holds, and rewriting the table keeps its defaults."""
     import json
     import sys
 
@@ -265,6 +269,7 @@ def test_auto_follows_the_measured_table_per_shape(tmp_path, monkeypatch):
     monkeypatch.setattr(P, "GEMM_BACKEND_TABLE", table)
     monkeypatch.setattr(P, "device_kind", lambda: "NVIDIA H200")
     P._measured_backends.cache_clear()
+    P._default_backend.cache_clear()
     monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
     try:
         assert P.GemmBackend.AUTO.resolve(256, 6144, 4096) is P.GemmBackend.CUBLASLT
@@ -278,11 +283,26 @@ def test_auto_follows_the_measured_table_per_shape(tmp_path, monkeypatch):
         assert P.GemmBackend.AUTO.describe() == "mosaic" and P.GemmBackend.CUBLASLT.describe() == "cublaslt"
         monkeypatch.delenv("FP8RL_FP8_GEMM")
         assert P.GemmBackend.AUTO.describe() == "auto"
+        # a default for the device kind (from a measured rollout) covers the shapes without an entry
+        defaults = [{"device_kind": "NVIDIA H200", "backend": "cublaslt", "evidence": "a rollout"}]
+        table.write_text(json.dumps({"entries": entries, "defaults": defaults}))
+        P._measured_backends.cache_clear()
+        P._default_backend.cache_clear()
+        assert P.GemmBackend.AUTO.resolve(256, 1024, 4096) is P.GemmBackend.CUBLASLT  # not in the table
+        assert P.GemmBackend.AUTO.resolve() is P.GemmBackend.CUBLASLT
+        assert P.GemmBackend.AUTO.resolve(4000, 4096, 4096) is P.GemmBackend.MOSAIC  # the entry wins
+        out = tmp_path / "rewritten.json"
+        monkeypatch.setattr(bench_gemm, "GEMM_BACKEND_TABLE", table)
+        bench_gemm.write_backend_table(out, entries[:1])
+        rewritten = json.loads(out.read_text())
+        assert rewritten["defaults"] == defaults and len(rewritten["entries"]) == 2  # merged, defaults kept
         monkeypatch.setattr(P, "device_kind", lambda: "NVIDIA H100")  # measured elsewhere: not used
         P._measured_backends.cache_clear()
+        P._default_backend.cache_clear()
         assert P.GemmBackend.AUTO.resolve(256, 6144, 4096) is P.GemmBackend.MOSAIC
     finally:
         P._measured_backends.cache_clear()
+        P._default_backend.cache_clear()
 
 
 def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,7 @@ class WeightSharding:
 class GemmBackend(enum.Enum):
     """Which GPU GEMM runs a dense W8A8 matmul when the kernels run (``Kernels.pallas()``)."""
 
-    AUTO = "auto"  # FP8RL_FP8_GEMM if set, else the measured table's choice for the shape, else MOSAIC
+    AUTO = "auto"  # FP8RL_FP8_GEMM, else the measured table's choice for the shape or the device kind, else MOSAIC
     MOSAIC = "mosaic"  # pallas_kernels.fp8_gemm_mgpu where the shape allows, the Triton fp8_gemm elsewhere
     CUBLASLT = "cublaslt"  # fp8rl_jax.quant.cublaslt (cuBLAS's block-scaled FP8) where the shape allows
 
@@ -199,7 +200,8 @@ class GemmBackend(enum.Enum):
         """The backend for an ``[M, K] x [N, K]^T`` GEMM: this one unless AUTO; for AUTO the
         ``FP8RL_FP8_GEMM`` variable, else the faster of the two as measured on this device kind at this
         (M bucket, N, K) (`GEMM_BACKEND_TABLE`, written by ``experiments/bench_gemm.py
-        --backend-table-out``), else MOSAIC."""
+        --backend-table-out``), else the table's default for the device kind (chosen from end-to-end
+        rollouts, with the measurement named in the table), else MOSAIC."""
         if self is not GemmBackend.AUTO:
             return self
         env = os.environ.get("FP8RL_FP8_GEMM", "").strip().lower()
@@ -212,7 +214,7 @@ class GemmBackend(enum.Enum):
             chosen = _measured_backends(device_kind()).get((m_bucket(m), n, k))
             if chosen is not None:
                 return chosen
-        return GemmBackend.MOSAIC
+        return _default_backend(device_kind())
 
     def describe(self) -> str:
         """What a benchmark records: the explicit or ``FP8RL_FP8_GEMM`` choice, else "auto" (per shape)."""
@@ -243,6 +245,24 @@ GEMM_BACKEND_TABLE = Path(__file__).with_name("fp8_gemm_backends.json")
 def _measured_backends(kind: str) -> dict[tuple[int, int, int], GemmBackend]:
     return {(int(e["m_bucket"]), int(e["n"]), int(e["k"])): GemmBackend(e["backend"])
             for e in tuning_entries(GEMM_BACKEND_TABLE, kind)}
+
+
+def backend_defaults(path: Path | None = None) -> list[dict]:
+    """The table's (`GEMM_BACKEND_TABLE` unless ``path``) per-device-kind defaults (``{"device_kind",
+    "backend", "evidence"}``): the backend for the shapes it has no entry for, chosen from a measured
+    end-to-end rollout."""
+    path = GEMM_BACKEND_TABLE if path is None else path
+    if not path.exists():
+        return []
+    return list(json.loads(path.read_text()).get("defaults", []))
+
+
+@functools.cache
+def _default_backend(kind: str) -> GemmBackend:
+    for d in backend_defaults():
+        if d.get("device_kind") == kind:
+            return GemmBackend(d["backend"])
+    return GemmBackend.MOSAIC
 
 
 @dataclasses.dataclass(frozen=True)
