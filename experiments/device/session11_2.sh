@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Next session, call 2: the other rollout shapes with the FP8 GEMMs on cuBLASLt (the H200 default since session 10).
+#   A: Qwen3-30B-A3B W1 all (session 9 on Mosaic: 6614 tokens/s, 1.37x none's 4842), then its decode step by kernel
+#      (34.4 ms at 256 rows, 39% of its roofline: the grouped expert GEMMs are still our Triton kernel).
+#   B (second GPU only): Qwen3-8B W2 none + all (session 7 on Mosaic: 3758 / 5594, 1.49x); RL all (session 9:
+#      7009, 1.40x none's 5009) goes to a later call.
+source experiments/device/env.sh
+R="experiments/bench_rollout.py --max-slots 256 --steps-per-call 16 --prefill-batch 4"
+TWO=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 1 || echo 0)
+part_a() {
+  { echo "== 30B-A3B W1 all"; timeout 330 python $R --preset qwen3_30b_a3b --workload W1 --stall-dump-s 120 \
+      --kv-gib-like-vllm 60 87 --modes all --out "$OUT/rollout_30b_W1_all.json"; echo "rc=$?"
+    echo "== profile 30B all"; timeout $(($1 - SECONDS)) python experiments/profile_decode.py --preset qwen3_30b_a3b \
+      --batch 256 --context 2048 --modes all --out "$OUT/profile_30b.json"; echo "rc=$?"
+  } 2>&1 | filt > "$OUT/a.log"
+}
+part_b() {
+  { echo "== W2 none all"; timeout $(($1 - SECONDS)) python $R --preset qwen3_8b --workload W2 --stall-dump-s 90 \
+      --kv-gib-like-vllm 101.74 107.52 --modes none all --out "$OUT/rollout_W2.json"; echo "rc=$?"
+  } 2>&1 | filt > "$OUT/b.log"
+}
+if [ "$TWO" = 1 ]; then
+  (export CUDA_VISIBLE_DEVICES=0; part_a 545) &
+  (export CUDA_VISIBLE_DEVICES=1; part_b 545) &
+  wait
+else
+  part_a 545
+fi
+grep -v "^  \|^$" "$OUT"/*.log | grep -v '"partial"' | cut -c1-300 | tail -60
