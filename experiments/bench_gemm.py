@@ -159,12 +159,12 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool, triton: bool = True
             row["ours_cublaslt"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         if cublaslt.one_d_available():  # the same product with the weight's 128x128 scales repeated per row:
             try:  # cuBLASLt's 1x128 x 1x128 scaling, the configuration of its samples' operand order
-                def one_d(a, s, b, bs):
-                    return cublaslt.fp8_gemm_cublaslt_1d(a, s, b, jnp.repeat(bs, BK, axis=0)[:n],
-                                                         out_dtype=jnp.bfloat16)
-                out = one_d(qa, sa, qws[0].q, qws[0].scale_inv).astype(jnp.float32)
+                def one_d(a, s, b, bs_rows):
+                    return cublaslt.fp8_gemm_cublaslt_1d(a, s, b, bs_rows, out_dtype=jnp.bfloat16)
+                sets = [(a, s, w.q, jnp.repeat(w.scale_inv, BK, axis=0)[:n]) for (a, s), w in zip(qas, qws)]
+                out = one_d(*sets[0]).astype(jnp.float32)
                 err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-                record("ours_cublaslt_1d", replay_ms(one_d, [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)]))
+                record("ours_cublaslt_1d", replay_ms(one_d, sets))
                 row["ours_cublaslt_1d"]["rel_err_vs_reference"] = err  # bf16 output: ~1e-3
             except Exception as e:
                 row["ours_cublaslt_1d"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}

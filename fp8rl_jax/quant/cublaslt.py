@@ -53,8 +53,8 @@ import numpy as np
 
 from pallas_kernels.fp8_gemm import BK, _check_operands
 
-__all__ = ["FFI_TARGET", "FFI_TARGET_EAGER", "SOURCE", "WORKSPACE_BYTES", "available", "build", "ffi_target", "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d",
-           "load", "one_d_available", "supports"]
+__all__ = ["FFI_TARGET", "FFI_TARGET_EAGER", "SOURCE", "WORKSPACE_BYTES", "available", "build", "ffi_target",
+           "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d", "load", "one_d_available", "supports"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cublaslt_fp8_gemm.cc"
 CHECK_SOURCE = SOURCE.with_name("cublaslt_check.cc")

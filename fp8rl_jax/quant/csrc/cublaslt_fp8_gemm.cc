@@ -277,9 +277,9 @@ ffi::Error Fp8BlockGemm(Stream stream, int32_t device, int32_t b_blocks, ffi::An
   return RunGemm(stream, device, b_blocks, a, a_scale_t, b, b_scale, out, workspace);
 }
 
-// The same GEMM on host buffers, no stream (device 0, workspace from the heap): for tests on the CPU platform
-// against a host-memory stand-in of cuBLASLt (tests/fake_cublaslt.cc), which check the descriptors, layouts
-// and scale pointers this file hands to cuBLASLt. Never registered by fp8rl_jax itself.
+// The same GEMM on host buffers, no stream (device 0; the workspace result is host memory too): for tests on the
+// CPU platform against a host-memory stand-in of cuBLASLt (tests/fake_cublaslt.cc), which check the descriptors,
+// layouts and scale pointers this file hands to cuBLASLt. Never registered by fp8rl_jax itself.
 ffi::Error Fp8BlockGemmHost(int32_t b_blocks, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b,
                             ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> workspace) {
