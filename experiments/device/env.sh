@@ -10,3 +10,14 @@ filt() {
   for p in "$@"; do pat="$pat\|$p"; done
   grep --line-buffered -v "$pat"
 }
+# Session 11 on: part_a on GPU 0 and part_b on GPU 1 side by side, each given the seconds into the call it may run
+# to ($1); on a machine of one GPU, the command $2 instead (e.g. "part_b 300; part_a 545").
+two_gpus_or() {
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    (export CUDA_VISIBLE_DEVICES=0; part_a "$1") &
+    (export CUDA_VISIBLE_DEVICES=1; part_b "$1") &
+    wait
+  else
+    eval "$2"
+  fi
+}

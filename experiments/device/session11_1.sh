@@ -9,7 +9,6 @@
 #      (session 8, Mosaic: 1.11x and 1.39x of none; session 10 on cuBLASLt: none 7382, all 11840).
 source experiments/device/env.sh
 R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 90 --kv-gib-like-vllm 101.74 107.52"
-TWO=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 1 || echo 0)
 part_a() {
   { echo "== cuBLASLt tests"; timeout 240 python -m pytest -q tests/test_cublaslt.py -p no:cacheprovider -rs 2>&1 | tail -25
     echo "== bench_gemm"; mkdir -p /tmp/g; timeout $(($1 - SECONDS)) python experiments/bench_gemm.py --no-triton \
@@ -24,11 +23,5 @@ part_b() {
       --fp8-gemm cublaslt --out "$OUT/rollout_W1_w8a8_kv_cublaslt.json"; echo "rc=$?"
   } 2>&1 | filt > "$OUT/b.log"
 }
-if [ "$TWO" = 1 ]; then
-  (export CUDA_VISIBLE_DEVICES=0; part_a 545) &
-  (export CUDA_VISIBLE_DEVICES=1; part_b 545) &
-  wait
-else
-  part_b 300; part_a 545
-fi
+two_gpus_or 545 "part_b 300; part_a 545"
 grep -v "^  \|^$" "$OUT"/*.log | grep -v '"partial"\|^{"M"' | cut -c1-300 | tail -70

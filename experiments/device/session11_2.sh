@@ -6,7 +6,6 @@
 #      7009, 1.40x none's 5009) goes to a later call.
 source experiments/device/env.sh
 R="experiments/bench_rollout.py --max-slots 256 --steps-per-call 16 --prefill-batch 4"
-TWO=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo 1 || echo 0)
 part_a() {
   { echo "== 30B-A3B W1 all"; timeout 330 python $R --preset qwen3_30b_a3b --workload W1 --stall-dump-s 120 \
       --kv-gib-like-vllm 60 87 --modes all --out "$OUT/rollout_30b_W1_all.json"; echo "rc=$?"
@@ -19,11 +18,5 @@ part_b() {
       --kv-gib-like-vllm 101.74 107.52 --modes none all --out "$OUT/rollout_W2.json"; echo "rc=$?"
   } 2>&1 | filt > "$OUT/b.log"
 }
-if [ "$TWO" = 1 ]; then
-  (export CUDA_VISIBLE_DEVICES=0; part_a 545) &
-  (export CUDA_VISIBLE_DEVICES=1; part_b 545) &
-  wait
-else
-  part_a 545
-fi
+two_gpus_or 545 "part_a 545"
 grep -v "^  \|^$" "$OUT"/*.log | grep -v '"partial"' | cut -c1-300 | tail -60

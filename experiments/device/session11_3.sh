@@ -20,11 +20,5 @@ part_b() {
       --layers 8 --batch 8 --seq-len 2048 --fp8-gemm cublaslt --out "$OUT/train_cublaslt.json"; echo "rc=$?"
   } 2>&1 | filt > "$OUT/b.log"
 }
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  (export CUDA_VISIBLE_DEVICES=0; part_a 545) &
-  (export CUDA_VISIBLE_DEVICES=1; part_b 545) &
-  wait
-else
-  part_b 545
-fi
+two_gpus_or 545 "part_b 545"
 grep -v "^  \|^$" "$OUT"/*.log | grep -v '"partial"' | cut -c1-300 | tail -60
