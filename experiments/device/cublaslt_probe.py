@@ -1,6 +1,7 @@
 """cuBLASLt's block-scaled FP8 GEMM on the GPU before anything depends on it: one 256 x 4096 x 4096 product
 against the jnp reference through each registration (graph-capturable and eager), and 64 chained products in
-one jitted loop through each, timed (the loop is where XLA's command buffers matter).
+one jitted loop through each, timed. The loop body (quantize + GEMM) is probably below XLA's minimum
+command-buffer size (5 ops by default), so the timing checks the call rather than graph capture.
 Exit 0: the capturable registration works; 3: only the eager one (run with FP8RL_CUBLASLT_GRAPHS=0); 1: neither."""
 
 import sys

@@ -143,7 +143,9 @@ class Fp8TrainRecipe:
       token_group: group length along tokens of both wgrad operands (128 tokens x 1 channel).
       kernels: Pallas kernels or the jnp reference (``Kernels``).
       gemm: the fprop/dgrad (and, with cuBLASLt, wgrad) GEMM on the GPU (`GemmBackend`): the Mosaic
-        kernel or cuBLASLt; AUTO follows ``FP8RL_FP8_GEMM``, else the measured per-shape table.
+        kernel or cuBLASLt; AUTO follows ``FP8RL_FP8_GEMM``, else the measured per-shape table, else
+        the table's default for the device kind (``GemmBackend.resolve``). The wgrad goes to cuBLASLt
+        only when cuBLASLt is named.
     """
 
     grad_format: Fp8Format = Fp8Format.E4M3

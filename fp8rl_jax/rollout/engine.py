@@ -140,7 +140,8 @@ class EngineConfig:
       fp8_gemm: the dense FP8 GEMM on the GPU (`fp8rl_jax.quant.policy.GemmBackend`): our Mosaic
         kernel or cuBLASLt's block-scaled FP8 (``fp8rl_jax.quant.cublaslt``); AUTO reads
         ``FP8RL_FP8_GEMM``, else the faster one measured for each shape on this device kind
-        (``fp8rl_jax/quant/fp8_gemm_backends.json``), else the Mosaic kernel.
+        (``fp8rl_jax/quant/fp8_gemm_backends.json``), else that table's default for the device kind
+        (cuBLASLt on the H200), else the Mosaic kernel.
     """
 
     max_slots: int = 32
