@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Next session, call 1 (nvidia-h200-x2 if lent, else nvidia-h200: the second half then runs after the first).
-#   A: the cuBLASLt test file whole (session 10's 100 s cut left the jitted-loop and 1D x 1D tests unrun since the
+#   A: where a decode-size cuBLASLt call's time goes (cublaslt_overhead.py), the cuBLASLt test file whole (session 10's 100 s cut left the jitted-loop and 1D x 1D tests unrun since the
 #      workspace fix), then issue 3's GEMM table with the fixed handler (M 64/256/2048/8192 x the 8B and 30B expert
 #      shapes; new column: cuBLASLt 1D x 1D with the weight scales per row) and the backend table (returned: merge
 #      into fp8rl_jax/quant/fp8_gemm_backends.json, whose H200 default is cuBLASLt).
@@ -10,7 +10,9 @@
 source experiments/device/env.sh
 R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 90 --kv-gib-like-vllm 101.74 107.52"
 part_a() {
-  { echo "== cuBLASLt tests"; timeout 240 python -m pytest -q tests/test_cublaslt.py -p no:cacheprovider -rs 2>&1 | tail -25
+  { echo "== cuBLASLt call overhead"; timeout 150 python experiments/device/cublaslt_overhead.py \
+      --out "$OUT/cublaslt_overhead.json" | cut -c1-400; echo "rc=$?"
+    echo "== cuBLASLt tests"; timeout 240 python -m pytest -q tests/test_cublaslt.py -p no:cacheprovider -rs 2>&1 | tail -25
     echo "== bench_gemm"; mkdir -p /tmp/g; timeout $(($1 - SECONDS)) python experiments/bench_gemm.py --no-triton \
       --skip-sync --out /tmp/g/gemm_bench.json --backend-table-out "$OUT/fp8_gemm_backends.json"
     echo "rc=$?"; cp /tmp/g/gemm_bench.json /tmp/g/gemm_bench.md "$OUT/" 2>/dev/null
