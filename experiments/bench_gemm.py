@@ -14,8 +14,13 @@ And the weight sync: quantizing every linear weight of Qwen3-8B (252 tensors, 6.
 in one jitted program, with the Pallas kernel and with the jnp reference, against the byte floor.
 
 Timing (METHOD.md): R calls on R distinct input sets inside one executable (JAX: one jit;
-torch: one CUDA graph), so neither dispatch overhead nor cache reuse is measured; the median
-of 10 replays, divided by R. Results go to JSON and a markdown table.
+torch: one CUDA graph), so cache reuse is not measured. Two measures per JAX column: the wall
+clock (median of 10 runs, divided by R: it includes the host's launch of every call, which for
+a custom call such as our cuBLASLt one takes ~30 us, twice the GPU time of a decode-size GEMM:
+experiments/device/cublaslt_overhead.py, session 11) and the GPU time (the kernels of one traced
+run, summed, divided by R: `pallas_kernels.common.replay_gpu_ms`), which is what torch's graph
+replay measures and what a call costs inside a decode loop that keeps the GPU busy. Results go
+to JSON and a markdown table of each.
 
     python experiments/bench_gemm.py --out experiments/results/gemm_h200.json
 """
@@ -44,7 +49,7 @@ from fp8rl_jax.quant import quantize_activations, quantize_weight_blockwise  # n
 from pallas_kernels import fp8_gemm as gemm_kernel  # noqa: E402
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel  # noqa: E402
 from pallas_kernels import fp8_quant as quant_kernel  # noqa: E402
-from pallas_kernels.common import m_bucket, replay_ms, write_tuning  # noqa: E402
+from pallas_kernels.common import m_bucket, replay_gpu_ms, replay_ms, write_tuning  # noqa: E402
 from pallas_kernels.fp8_gemm import BK  # noqa: E402
 
 BENCH_M = (64, 256, 2048, 8192)
@@ -117,8 +122,18 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool, triton: bool = True
     flop = 2.0 * m * n * k
     row: dict = {"M": m, "N": n, "K": k, "input_sets": R}
 
-    def record(name, ms):
+    def record(name, fn=None, sets=None, ms=None, gpu_ms=None):
+        """Wall ms per call by `replay_ms` (or ``ms`` given) and, with ``fn``, the GPU time per call by
+        `replay_gpu_ms` (the kernels' sum, no launch gaps): the measure torch's graph replay gives."""
+        if fn is not None:
+            ms = replay_ms(fn, sets)
+            g = replay_gpu_ms(fn, sets)
+            gpu_ms = g["busy_ms"]
         row[name] = {"ms": ms, "tflops": flop / (ms * 1e-3) / 1e12}
+        if gpu_ms:
+            row[name].update(gpu_ms=gpu_ms, gpu_tflops=flop / (gpu_ms * 1e-3) / 1e12)
+        if fn is not None:
+            row[name].update(gpu_span_ms=g["span_ms"], kernels=g["kernels"])
 
     # correctness of ours on this shape first (against the jnp twin, float32 out)
     qa, sa = qas[0]
@@ -136,13 +151,13 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool, triton: bool = True
         if best is None or ms < best[1]:
             best = (cfg, ms, err)
     if best is not None:
-        record("ours_fp8_block", best[1])
+        record("ours_fp8_block", ms=best[1])
         row["ours_fp8_block"].update(config=dataclasses.asdict(best[0]), rel_err_vs_reference=best[2])
     try:  # the Mosaic GPU (TMA + wgmma) kernel, default config for the shape
         out = mgpu_kernel.fp8_gemm_mgpu(qa, sa, qws[0].q, qws[0].scale_inv, out_dtype=jnp.float32)
         err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-        record("ours_mgpu", replay_ms(lambda a, s, b, bs: mgpu_kernel.fp8_gemm_mgpu(a, s, b, bs),
-                                     [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)]))
+        record("ours_mgpu", lambda a, s, b, bs: mgpu_kernel.fp8_gemm_mgpu(a, s, b, bs),
+               [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)])
         row["ours_mgpu"]["rel_err_vs_reference"] = err
         row["ours_mgpu"]["config"] = mgpu_kernel._config_dict(mgpu_kernel.default_config(m, n, k))
     except Exception as e:
@@ -152,8 +167,8 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool, triton: bool = True
         try:
             out = cublaslt.fp8_gemm_cublaslt(qa, sa, qws[0].q, qws[0].scale_inv, out_dtype=jnp.float32)
             err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-            record("ours_cublaslt", replay_ms(lambda a, s, b, bs: cublaslt.fp8_gemm_cublaslt(a, s, b, bs),
-                                             [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)]))
+            record("ours_cublaslt", lambda a, s, b, bs: cublaslt.fp8_gemm_cublaslt(a, s, b, bs),
+                   [(a, s, w.q, w.scale_inv) for (a, s), w in zip(qas, qws)])
             row["ours_cublaslt"]["rel_err_vs_reference"] = err
         except Exception as e:
             row["ours_cublaslt"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -164,22 +179,22 @@ def bench_shape(m: int, n: int, k: int, key, torch_ok: bool, triton: bool = True
                 sets = [(a, s, w.q, jnp.repeat(w.scale_inv, BK, axis=0)[:n]) for (a, s), w in zip(qas, qws)]
                 out = one_d(*sets[0]).astype(jnp.float32)
                 err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-                record("ours_cublaslt_1d", replay_ms(one_d, sets))
+                record("ours_cublaslt_1d", one_d, sets)
                 row["ours_cublaslt_1d"]["rel_err_vs_reference"] = err  # bf16 output: ~1e-3
             except Exception as e:
                 row["ours_cublaslt_1d"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     elif not ok:
         row["ours_cublaslt"] = {"error": why}
-    record("xla_bf16", replay_ms(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16),
-                                list(zip(xs, ws))))
+    record("xla_bf16", lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16), list(zip(xs, ws)))
     a8 = [x.astype(jnp.float8_e4m3fn) for x in xs]
-    record("xla_fp8_tensorwise", replay_ms(
-        lambda a, b: (jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                      * jnp.float32(0.5)).astype(jnp.bfloat16),
-        [(a, w.q) for a, w in zip(a8, qws)]))
+    record("xla_fp8_tensorwise",
+           lambda a, b: (jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                         * jnp.float32(0.5)).astype(jnp.bfloat16),
+           [(a, w.q) for a, w in zip(a8, qws)])
     if torch_ok:
         try:
-            record("torch_cublas_fp8_block", bench_torch_blockwise(qas, qws, ref, row))
+            t_ms = bench_torch_blockwise(qas, qws, ref, row)  # events around a CUDA graph's replay: GPU time
+            record("torch_cublas_fp8_block", ms=t_ms, gpu_ms=t_ms)
         except Exception as e:
             row["torch_cublas_fp8_block"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
     return row
@@ -244,10 +259,12 @@ def bench_weight_sync(key) -> dict:
 
 
 def backend_entries(rows: list[dict], kind: str) -> list[dict]:
-    """The faster of our two dense FP8 GEMMs per measured shape, as `GEMM_BACKEND_TABLE` entries."""
+    """The faster of our two dense FP8 GEMMs per measured shape, as `GEMM_BACKEND_TABLE` entries (by GPU
+    time where measured: the engine's decode loop keeps the GPU busy, so launch gaps are not its cost)."""
     out = []
     for r in rows:
-        ms = {name: r[key]["ms"] for name, key in (("mosaic", "ours_mgpu"), ("cublaslt", "ours_cublaslt"))
+        ms = {name: r[key].get("gpu_ms", r[key]["ms"]) for name, key in (("mosaic", "ours_mgpu"),
+                                                                         ("cublaslt", "ours_cublaslt"))
               if isinstance(r.get(key), dict) and "ms" in r[key]}
         if len(ms) == 2:
             out.append({"device_kind": kind, "m_bucket": m_bucket(r["M"]), "n": r["N"], "k": r["K"],
@@ -266,25 +283,47 @@ def write_backend_table(path: Path, entries: list[dict]) -> None:
         Path(path).write_text(json.dumps(table, indent=1) + "\n")
 
 
+_COLUMNS = (("ours Triton", "ours_fp8_block"), ("ours Mosaic", "ours_mgpu"), ("cuBLASLt via our FFI", "ours_cublaslt"),
+            ("cuBLASLt 1D x 1D (weight scales per row)", "ours_cublaslt_1d"),
+            ("cuBLAS FP8 block (torch)", "torch_cublas_fp8_block"), ("XLA FP8 tensorwise", "xla_fp8_tensorwise"),
+            ("XLA BF16", "xla_bf16"))
+
+
+def _table(rows: list[dict], field: str) -> list[str]:
+    head = " | ".join(c for c, _ in _COLUMNS)
+    lines = [f"| M | N | K | {head} | best own kernel / cuBLAS block | best own kernel / BF16 | "
+             "best dispatchable (incl. cuBLASLt) / BF16 | best dispatchable / cuBLAS block |",
+             "|---|---|---|" + "---|" * (len(_COLUMNS) + 4)]
+    for r in rows:
+        def tf(k):
+            v = r.get(k, {})
+            return v.get(field) if isinstance(v, dict) else None
+        tri, mos, lt = tf("ours_fp8_block"), tf("ours_mgpu"), tf("ours_cublaslt")
+        cub, bf = tf("torch_cublas_fp8_block"), tf("xla_bf16")
+        ours = max((v for v in (tri, mos) if v is not None), default=None)  # our own kernels
+        stack = max((v for v in (tri, mos, lt) if v is not None), default=None)  # what the dispatcher can pick
+        fmt = lambda v: "n/a" if v is None else f"{v:.0f}"  # noqa: E731
+        ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
+        cells = " | ".join(fmt(tf(key)) for _, key in _COLUMNS)
+        lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {cells} | {ratio(ours, cub)} | {ratio(ours, bf)} | "
+                     f"{ratio(stack, bf)} | {ratio(stack, cub)} |")
+    return lines
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [f"# FP8 GEMM on {env['device']} ({env['date']})", "",
-             f"jax {env['jax']}, torch {env['torch']}; TFLOP/s, median of 10 (R distinct input sets per replay).", "",
-             "| M | N | K | ours Triton | ours Mosaic | cuBLASLt via our FFI | cuBLASLt 1D x 1D (weight scales per row) | cuBLAS FP8 block (torch) | XLA FP8 tensorwise | XLA BF16 | best own kernel / cuBLAS block | best own kernel / BF16 | best dispatchable (incl. cuBLASLt) / BF16 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["gemm"]:
-        def tf(k):
-            v = r.get(k, {})
-            return v.get("tflops") if isinstance(v, dict) else None
-        tri, mos, lt = tf("ours_fp8_block"), tf("ours_mgpu"), tf("ours_cublaslt")
-        cub, x8, bf = tf("torch_cublas_fp8_block"), tf("xla_fp8_tensorwise"), tf("xla_bf16")
-        ours = max((v for v in (tri, mos) if v is not None), default=None)  # our own kernels
-        stack = max((v for v in (tri, mos, lt) if v is not None), default=None)  # what the dispatcher can pick
-        fmt = lambda v: "n/a" if v is None else f"{v:.0f}"
-        ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"
-        lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {fmt(tri)} | {fmt(mos)} | {fmt(lt)} | {fmt(tf('ours_cublaslt_1d'))} | "
-                     f"{fmt(cub)} | {fmt(x8)} | {fmt(bf)} | "
-                     f"{ratio(ours, cub)} | {ratio(ours, bf)} | {ratio(stack, bf)} |")
+             f"jax {env['jax']}, torch {env['torch']}. TFLOP/s, R distinct input sets per timed program.", "",
+             "## By GPU time", "",
+             "The kernels' time per call: for our and XLA's calls, the sum of the kernels of one program of R calls "
+             "under the JAX profiler (the scale transposes and padding copies of our wrappers included); for torch, "
+             "CUDA events around a CUDA graph of the R calls (median of 10). Neither includes the host's launch "
+             "gaps, so this is what a call costs inside a step that keeps the GPU busy (the rollout's decode loop).",
+             "", *_table(results["gemm"], "gpu_tflops"), "",
+             "## By wall clock", "",
+             "Median of 10 wall-clock runs of the R-call program, per call (host dispatch included: a call that "
+             "launches slower than it runs is timed at its launch rate; torch's column is its graph replay).", "",
+             *_table(results["gemm"], "tflops")]
     ws = results.get("weight_sync")
     if ws:
         lines += ["", f"Weight sync, all {ws['tensors']} Qwen3-8B linear weights ({ws['params'] / 1e9:.2f} G params, "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import gzip
 import json
 import statistics
 import sys
@@ -41,6 +40,7 @@ from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from fp8rl_jax.rollout import engine as engine_mod  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
+from pallas_kernels.common import trace_kernels  # noqa: E402
 
 HBM_BPS = 4.3e12
 # kernel-name fragments -> class (first match wins; names are XLA fusions, cuBLAS kernels and our
@@ -74,37 +74,14 @@ def classify(name: str) -> str:
     return "other fusions"
 
 
-def kernel_times(trace_dir: Path) -> tuple[dict[str, float], dict[str, float], float]:
-    """(us per class, us per kernel name, GPU busy span us) from the newest ``*.trace.json.gz``:
-    events of the trace's GPU-stream processes (any process whose name mentions a GPU / stream)."""
-    files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    if not files:
-        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
-    with gzip.open(files[-1], "rb") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names, threads = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            names[e["pid"]] = str(e.get("args", {}).get("name", ""))
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            threads[(e["pid"], e.get("tid"))] = str(e.get("args", {}).get("name", ""))
-    gpu_pids = {pid for pid, n in names.items() if "/device:GPU" in n}
-    # kernels sit on the "Stream #..." lines; the "XLA Ops" / "XLA Modules" lines repeat them by op
-    streams = {key for key, n in threads.items() if key[0] in gpu_pids and n.lower().startswith("stream")}
+def kernel_times(trace_dir: Path) -> tuple[dict[str, float], dict[str, float], float, dict[str, dict]]:
+    """(us per class, us per kernel name, GPU busy span us, one event's args per kernel name) of the
+    newest trace under ``trace_dir`` (`pallas_kernels.common.trace_kernels`)."""
+    by_name, span, args = trace_kernels(trace_dir)
     by_class: dict[str, float] = collections.defaultdict(float)
-    by_name: dict[str, float] = collections.defaultdict(float)
-    lo, hi = float("inf"), 0.0
-    for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
-            continue
-        if streams and (e["pid"], e.get("tid")) not in streams:
-            continue
-        d = float(e.get("dur", 0.0))
-        by_class[classify(e["name"])] += d
-        by_name[e["name"]] += d
-        lo, hi = min(lo, float(e["ts"])), max(hi, float(e["ts"]) + d)
-    return dict(by_class), dict(by_name), (hi - lo if hi > lo else 0.0)
+    for name, us in by_name.items():
+        by_class[classify(name)] += us
+    return dict(by_class), by_name, span, args
 
 
 def setup(engine: JaxEngine, batch: int, context: int, seed: int):
@@ -169,7 +146,7 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d):
                 call()
-            by_class, by_name, span = kernel_times(Path(d))
+            by_class, by_name, span, kargs = kernel_times(Path(d))
             if args.trace_out is not None:
                 args.trace_out.mkdir(parents=True, exist_ok=True)
                 for f in Path(d).rglob("*.trace.json.gz"):
@@ -181,6 +158,9 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
             "gpu_span_us_per_step": span / steps,
             "top_kernels_us_per_step": {k: v / steps for k, v in
                                         sorted(by_name.items(), key=lambda kv: -kv[1])[:25]},
+            # what the profiler says of each top kernel (its HLO op, for XLA's fusions), to tell them apart
+            "top_kernels_args": {k: {a: str(v)[:600] for a, v in kargs.get(k, {}).items()} for k, _ in
+                                 sorted(by_name.items(), key=lambda kv: -kv[1])[:25]},
         }
     print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
     if "trace" in row:

@@ -3,8 +3,11 @@ measured tuning tables."""
 
 from __future__ import annotations
 
+import collections
 import datetime
+import gzip
 import json
+import tempfile
 import platform
 import statistics
 import time
@@ -54,6 +57,58 @@ def replay_ms(fn, arg_sets, n_replays: int = 10) -> float:
         jax.block_until_ready(run(arg_sets))
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times) / len(arg_sets)
+
+
+def trace_kernels(trace_dir) -> tuple[dict[str, float], float, dict[str, dict]]:
+    """GPU kernels of the newest ``*.trace.json.gz`` under ``trace_dir`` (a JAX profiler trace):
+    ``(us per kernel name, GPU span us, one event's args per name)``. Kernels are the ``X`` events on
+    the "Stream #..." lines of the trace's GPU processes (the "XLA Ops" / "XLA Modules" lines repeat
+    them by op); the args carry what the profiler knows of a kernel (e.g. its HLO op)."""
+    files = sorted(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
+    with gzip.open(files[-1], "rb") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names[e["pid"]] = str(e.get("args", {}).get("name", ""))
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    gpu_pids = {pid for pid, n in names.items() if "/device:GPU" in n}
+    streams = {key for key, n in threads.items() if key[0] in gpu_pids and n.lower().startswith("stream")}
+    by_name: dict[str, float] = collections.defaultdict(float)
+    args: dict[str, dict] = {}
+    lo, hi = float("inf"), 0.0
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
+            continue
+        if streams and (e["pid"], e.get("tid")) not in streams:
+            continue
+        d = float(e.get("dur", 0.0))
+        by_name[e["name"]] += d
+        args.setdefault(e["name"], e.get("args", {}))
+        lo, hi = min(lo, float(e["ts"])), max(hi, float(e["ts"]) + d)
+    return dict(by_name), (hi - lo if hi > lo else 0.0), args
+
+
+def replay_gpu_ms(fn, arg_sets) -> dict:
+    """GPU time per call of ``fn`` over ``arg_sets`` (one jitted program returning every output, run
+    once under the JAX profiler): ``{"busy_ms", "span_ms", "kernels"}``, busy = the sum of the
+    program's kernel times / calls (what a call costs the GPU, without the host's launch gaps that
+    `replay_ms`'s wall clock includes when a call launches slower than it runs; the measure of a CUDA
+    graph replay), span = first kernel start to last kernel end / calls, kernels = us per call by name."""
+    run = jax.jit(lambda sets: [fn(*args) for args in sets])
+    jax.block_until_ready(run(arg_sets))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        jax.block_until_ready(run(arg_sets))
+        jax.profiler.stop_trace()
+        by_name, span, _ = trace_kernels(d)
+    n = len(arg_sets)
+    return {"busy_ms": sum(by_name.values()) / n / 1e3, "span_ms": span / n / 1e3,
+            "kernels": {k[:120]: round(v / n, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:4]}}
 
 
 def run_environment(**extra) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.models.policy import Kernels, Proj, Site
-from fp8rl_jax.quant import cublaslt, quantize_activations, quantize_weight_blockwise
+from fp8rl_jax.quant import cublaslt, quantize_activations, quantize_activations_t, quantize_weight_blockwise
 from fp8rl_jax.quant.policy import GemmBackend, W8A8Policy
 from pallas_kernels.fp8_gemm import fp8_gemm_reference
 
@@ -102,6 +102,9 @@ def test_wrapper_validates_and_explains_where_it_cannot_run():
         cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb, out_dtype=jnp.float16)
     with pytest.raises(ValueError, match="b_scale_inv has shape"):
         cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb[:1])
+    for bad in (sa, sa[0]):  # [M, K/128] given where [K/128, M] is asked; a vector
+        with pytest.raises(ValueError, match=r"a_scale_t must be \[K/128, M\] for a \(8, 256\)"):
+            cublaslt.fp8_gemm_cublaslt_t(qa, bad, qb, sb)
     assert cublaslt.supports(6144, 4096) and not cublaslt.supports(6144, 4000) and not cublaslt.supports(100, 4096)
     if not ON_GPU:
         ok, why = cublaslt.available()
@@ -127,7 +130,7 @@ def test_handler_against_a_host_cublaslt_stand_in(tmp_path):
     fake_lib = ctypes.CDLL(str(fake))
     with jax.default_device(jax.devices("cpu")[0]):  # the host twin is registered for the CPU platform only
         _run_against_stand_in(target)
-    assert fake_lib.fake_cublaslt_matmuls() == 4  # one cuBLASLt call per GEMM, nothing done twice
+    assert fake_lib.fake_cublaslt_matmuls() == 6  # one cuBLASLt call per GEMM, nothing done twice
 
 
 def _run_against_stand_in(target: str) -> None:
@@ -139,6 +142,13 @@ def _run_against_stand_in(target: str) -> None:
         assert got.shape == (m, n) and got.dtype == jnp.dtype(out_dtype)
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
         assert err <= tol, f"M={m} N={n} K={k} {out_dtype}: {err:.2e}"
+    # the scales already in cuBLASLt's order, as the policy's quantization writes them: the same product
+    x = jax.random.normal(jax.random.key(5), (40, 512), jnp.float32)
+    qa, sa = quantize_activations(x)
+    _, _, qb, sb = _operands(40, 256, 512, seed=3)
+    got = cublaslt._call_t(*quantize_activations_t(x), qb, sb, jnp.dtype(jnp.float32), target=target)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(cublaslt._call(qa, sa, qb, sb, jnp.dtype(jnp.float32),
+                                                                             target=target)))
     # 1D x 1D (the wgrad): contraction 300 (padded to 384), 20 rows (padded to 32)
     ka, kb = jax.random.split(jax.random.key(9))
     a, sa = quantize_activations(jax.random.normal(ka, (20, 300), jnp.float32))
@@ -312,13 +322,14 @@ def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):
 
     calls = []
 
-    def fake(xq, xs, q, s, out_dtype):
+    def fake(xq, xs_t, q, s, out_dtype):  # the scales come as cuBLASLt reads them, [K/128, M]
+        assert xs_t.shape == (xq.shape[1] // 128, xq.shape[0])
         calls.append((xq.shape, q.shape, jnp.dtype(out_dtype)))
-        return fp8_gemm_reference(xq, xs, q, s, out_dtype=out_dtype)
+        return fp8_gemm_reference(xq, xs_t.T, q, s, out_dtype=out_dtype)
 
     monkeypatch.setattr(P.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(P.cublaslt, "available", lambda: (True, ""))
-    monkeypatch.setattr(P.cublaslt, "fp8_gemm_cublaslt", fake)
+    monkeypatch.setattr(P.cublaslt, "fp8_gemm_cublaslt_t", fake)
     monkeypatch.setattr(P.mgpu_kernel, "fp8_gemm_mgpu", lambda *a, **k: pytest.fail("the Mosaic kernel ran"))
     monkeypatch.setattr(P.gemm_kernel, "fp8_gemm",
                         lambda xq, xs, q, s, out_dtype, interpret: fp8_gemm_reference(xq, xs, q, s, out_dtype=out_dtype))

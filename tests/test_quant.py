@@ -62,6 +62,7 @@ from fp8rl_jax.quant import (
     dequantize_activations,
     dequantize_weight,
     quantize_activations,
+    quantize_activations_t,
     quantize_weight_blockwise,
     quantize_weight_checked,
     saturating_cast,
@@ -269,6 +270,28 @@ def test_activations_e5m2_and_group_size():
     ref_scale = _ref_scale(np.abs(x32.astype(np.float64)).reshape(4, 3, 32).max(-1), spec.max)
     np.testing.assert_array_equal(np.asarray(scale), ref_scale)
     _check_codes(q, x32, np.repeat(ref_scale, 32, axis=-1), spec)
+
+
+@pytest.mark.parametrize("shape", [(16, 256), (7, 200), (1, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_activations_with_transposed_scales_are_the_same_quantization(shape, dtype):
+    """`quantize_activations_t` (the scales in cuBLASLt's [K/128, M] order): the float64 reference's scales,
+    transposed, and the codes of `quantize_activations`, bit for bit, zero groups included, jitted."""
+    rng = np.random.default_rng()
+    x32 = _random(rng, shape, dtype)
+    x32[rng.integers(0, shape[0])] = 0.0  # a zero row: unit scales, zero codes
+    m, k = shape
+    g = -(-k // 128)
+    padded = np.zeros((m, g * 128))
+    padded[:, :k] = np.abs(x32)
+    ref_scale = _ref_scale(padded.reshape(m, g, 128).max(axis=-1), SPECS[Fp8Format.E4M3].max)
+    q_t, scale_t = jax.jit(quantize_activations_t)(jnp.asarray(x32, dtype=dtype))
+    q, _ = jax.jit(quantize_activations)(jnp.asarray(x32, dtype=dtype))
+    assert scale_t.shape == (g, m) and q_t.shape == shape and q_t.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(scale_t), ref_scale.T)
+    np.testing.assert_array_equal(_bits(q_t), _bits(q))
+    with pytest.raises(ValueError, match="matrix"):
+        quantize_activations_t(jnp.ones((2, 3, 128)))
 
 
 # ---------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def timed(fn, args, name):
         jax.profiler.start_trace(d)
         jax.block_until_ready(run(*args))
         jax.profiler.stop_trace()
-        by_class, by_name, span = kernel_times(Path(d))
+        by_class, by_name, span, _ = kernel_times(Path(d))
     gemm = sum(v for k, v in by_name.items() if any(s in k.lower() for s in ("nvjet", "gemm", "xmma", "cutlass", "sm90")))
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
     return {"variant": name, "wall_us": 1e6 * statistics.median(ts) / SETS, "gemm_gpu_us": gemm / SETS,

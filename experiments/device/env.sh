@@ -21,3 +21,5 @@ two_gpus_or() {
     eval "$2"
   fi
 }
+# Seconds left until second $1 of the call, at least 5 (a negative count is no `timeout` argument: session 11).
+left() { local t=$(($1 - SECONDS)); [ "$t" -lt 5 ] && t=5; echo "$t"; }

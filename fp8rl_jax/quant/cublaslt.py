@@ -18,8 +18,8 @@ it once into a cache folder (keyed by the source and jaxlib version; ``FP8RL_CAC
 column-major, so it computes ``out^T = B . A^T``): the weight is cuBLAS's A operand (K-major,
 transposed) with its 128x128 scales as stored, ``[N/128, K/128]`` with the K blocks padded to a
 multiple of 4; the activations are its B operand (K-major) with the 1x128 scales transposed to
-``[K/128, M]``; M is padded to a multiple of 16 (zero rows) so every leading dimension is 16-byte
-aligned. The wrapper does those (small) copies; the handler checks shapes and dtypes again and
+``[K/128, M]`` (`fp8_gemm_cublaslt_t` takes them so, as `quantize_activations_t` writes them); M
+is padded to a multiple of 16 (zero rows) so every leading dimension is 16-byte aligned. The wrapper does those (small) copies; the handler checks shapes and dtypes again and
 caches cuBLASLt's algorithm choice per (device, M, N, K, out dtype) and thread. cuBLASLt's
 workspace (``WORKSPACE_BYTES``) is a second result of the call, so XLA allocates it with the
 other buffers and the call can sit in XLA's command buffers (CUDA graphs) with the kernels around
@@ -54,7 +54,8 @@ import numpy as np
 from pallas_kernels.fp8_gemm import BK, _check_operands
 
 __all__ = ["FFI_TARGET", "FFI_TARGET_EAGER", "SOURCE", "WORKSPACE_BYTES", "available", "build", "ffi_target",
-           "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d", "load", "one_d_available", "supports"]
+           "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d", "fp8_gemm_cublaslt_t", "load",
+           "one_d_available", "supports"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cublaslt_fp8_gemm.cc"
 CHECK_SOURCE = SOURCE.with_name("cublaslt_check.cc")
@@ -169,6 +170,21 @@ def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_in
                       out_dtype=jnp.bfloat16) -> jax.Array:
     """Block-scaled FP8 ``A @ B^T`` by cuBLASLt (module note): the arguments of
     `pallas_kernels.fp8_gemm.fp8_gemm`; ``K % 128 == 0``, ``N % 16 == 0``, out bfloat16 or float32."""
+    out_dtype = _check(a, a_scale, b, b_scale_inv, out_dtype)
+    return _call(a, a_scale, b, b_scale_inv, out_dtype, target=ffi_target())
+
+
+def fp8_gemm_cublaslt_t(a: jax.Array, a_scale_t: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
+                        out_dtype=jnp.bfloat16) -> jax.Array:
+    """`fp8_gemm_cublaslt` with A's scales given transposed, ``a_scale_t [K/128, M]`` (the order cuBLASLt
+    reads; `fp8rl_jax.quant.quantize_activations_t` writes them so): no transpose before the call."""
+    if a.ndim != 2 or a_scale_t.ndim != 2 or tuple(a_scale_t.shape) != (-(-a.shape[1] // BK), a.shape[0]):
+        raise ValueError(f"a_scale_t must be [K/128, M] for a {tuple(a.shape)}, got shape {tuple(a_scale_t.shape)}")
+    out_dtype = _check(a, a_scale_t.T, b, b_scale_inv, out_dtype)
+    return _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=ffi_target())
+
+
+def _check(a, a_scale, b, b_scale_inv, out_dtype):
     out_dtype = _check_operands(a, a_scale, b, b_scale_inv, out_dtype)
     k = a.shape[1]
     n = b.shape[0]
@@ -181,15 +197,20 @@ def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_in
     ok, why = available()
     if not ok:
         raise RuntimeError(f"fp8_gemm_cublaslt cannot run here: {why}")
-    return _call(a, a_scale, b, b_scale_inv, out_dtype, target=ffi_target())
+    return out_dtype
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
 def _call(a, a_scale, b, b_scale_inv, out_dtype, target=FFI_TARGET):
+    return _call_t(a, a_scale.T, b, b_scale_inv, out_dtype, target)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
+def _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=FFI_TARGET):
     kb = a.shape[1] // BK
     kb4 = -(-kb // 4) * 4  # the 128x128 scales' leading dimension: K blocks rounded up to 4
     bs = b_scale_inv if kb4 == kb else jnp.pad(b_scale_inv, ((0, 0), (0, kb4 - kb)))
-    return _ffi(a, a_scale.T, b, bs, out_dtype, target, b_blocks=1)
+    return _ffi(a, a_scale_t, b, bs, out_dtype, target, b_blocks=1)
 
 
 def _ffi(a, as_t, b, bs, out_dtype, target, b_blocks: int):

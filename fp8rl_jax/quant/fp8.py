@@ -387,6 +387,36 @@ def quantize_activations(
     return q, scale
 
 
+def quantize_activations_t(
+    x: jax.Array,
+    group_size: int = 128,
+    fmt: Fp8Format = Fp8Format.E4M3,
+    rounding: ScaleRounding = ScaleRounding.FP32,
+) -> tuple[jax.Array, jax.Array]:
+    """`quantize_activations` of a matrix ``x [M, K]`` with the scales transposed: ``(q [M, K],
+    scale_t [ceil(K / group_size), M])``, ``scale_t == quantize_activations(x)[1].T`` bit for bit.
+
+    The layout cuBLASLt reads 1x128 scales in (M-contiguous, `fp8rl_jax.quant.cublaslt`). The group
+    maxima are reduced from a transposed view of ``x``, so XLA can write them in that order from the
+    reduction itself instead of transposing the scales in a kernel of their own after it.
+    """
+    gs = _check_group_size(group_size)
+    _check_enums(fmt, rounding)
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"quantize_activations_t takes a matrix [M, K], got shape {x.shape}")
+    chex.assert_type(x, float)
+    m, k = x.shape
+    g = _cdiv(k, gs)
+    xf = _pad_axis(x.astype(jnp.float32), -1, g * gs).reshape(m, g, gs)
+    amax_t = jnp.max(jnp.abs(jnp.swapaxes(xf, 0, 1)), axis=-1)  # [G, M]
+    scale_t = _scale_from_amax(amax_t, fmt, rounding)
+    inv_t = jnp.float32(1.0) / scale_t
+    q = saturating_cast(xf * inv_t.T[..., None], fmt).reshape(m, g * gs)[:, :k]
+    chex.assert_shape(scale_t, (g, m))
+    return q, scale_t
+
+
 def dequantize_activations(
     q: jax.Array,
     scale: jax.Array,

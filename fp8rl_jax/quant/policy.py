@@ -60,7 +60,7 @@ from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, Kernels, MatmulPolicy, Proj, Site
 from fp8rl_jax.quant import cublaslt
 from fp8rl_jax.quant.fp8 import (QuantizedWeight, dequantize_activations, quantize_activations,
-                                 quantize_weight_blockwise)
+                                 quantize_activations_t, quantize_weight_blockwise)
 from pallas_kernels import fp8_gemm as gemm_kernel
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel
 from pallas_kernels import fp8_grouped_gemm as grouped_gemm_kernel
@@ -312,10 +312,11 @@ class W8A8Policy(MatmulPolicy):
             interpret = jax.default_backend() != "gpu"
 
             def gemm(x, q, s, out_dtype):
+                m, (n, k) = x.shape[0], q.shape
+                if not interpret and use_cublaslt(self.gemm, m, n, k, out_dtype):  # scales in cuBLASLt's order
+                    return cublaslt.fp8_gemm_cublaslt_t(*quantize_activations_t(x, self.group_size), q, s,
+                                                        out_dtype=out_dtype)
                 xq, xs = quantize_activations(x, self.group_size)
-                m, (n, k) = xq.shape[0], q.shape
-                if not interpret and use_cublaslt(self.gemm, m, n, k, out_dtype):
-                    return cublaslt.fp8_gemm_cublaslt(xq, xs, q, s, out_dtype=out_dtype)
                 if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
                     return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
                 return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K
