@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int, dot_dtypes=("bfloat16",),
-         word_gather: bool = False) -> list[dict]:
+         word_gather: bool = False, kv_heads=(1,)) -> list[dict]:
     import functools
 
     import jax
@@ -63,10 +63,11 @@ def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int, dot_dt
     jobs = []
     for dt in dtypes:
         fp8 = jnp.dtype(dt) == jnp.float8_e4m3fn
-        for bp, st, w, ddt in itertools.product(bps, stages, warps, dot_dtypes if fp8 else dot_dtypes[:1]):
+        for bp, st, w, ddt, kh in itertools.product(bps, stages, warps, dot_dtypes if fp8 else dot_dtypes[:1],
+                                                    kv_heads):
             captured.clear()
             cfg = pa.PagedAttentionConfig(pages_per_block=bp, pages_per_split=64, num_warps=w, num_stages=st,
-                                          fp8_dot_dtype=ddt, fp8_word_gather=word_gather)
+                                          fp8_dot_dtype=ddt, fp8_word_gather=word_gather, kv_heads_per_program=kh)
             args = (S((batch, 32, 128), jnp.bfloat16), S((P, 16, 8, 128), jnp.dtype(dt)),
                     S((P, 16, 8, 128), jnp.dtype(dt)), S((), jnp.float32), S((), jnp.float32),
                     S((batch, context // 16 + 1), jnp.int32), S((batch,), jnp.int32))
@@ -75,6 +76,7 @@ def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int, dot_dt
             assert len(captured) == 1, len(captured)
             words = "_words" if fp8 and word_gather and ddt == "float16" else ""
             name = f"{dt}_{ddt}{words}_bp{bp}_w{w}_s{st}" if fp8 else f"{dt}_bp{bp}_w{w}_s{st}"
+            name += f"_kh{kh}" if kh > 1 else ""
             (out / f"{name}.ttir").write_text(captured[0])
             jobs.append({"name": name, "num_warps": w, "num_stages": st})
     return jobs
@@ -193,13 +195,15 @@ def main(argv=None) -> int:
                    help="fp8_dot_dtype of the configs (FP8 pools only)")
     p.add_argument("--word-gather", action="store_true",
                    help="fp8_word_gather=True (FP8 pools with float16 dots: uint32 words split into byte planes)")
+    p.add_argument("--kv-heads", type=int, nargs="*", default=[1], help="kv_heads_per_program of the configs")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=2048)
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.phase in ("all", "dump"):
-        jobs = dump(out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context, a.dot_dtypes, a.word_gather)
+        jobs = dump(out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context, a.dot_dtypes, a.word_gather,
+                    a.kv_heads)
         (out / "jobs.json").write_text(json.dumps(jobs))
     if a.phase == "all":
         env = dict(os.environ, PYTHONPATH="")

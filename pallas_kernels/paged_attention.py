@@ -75,6 +75,14 @@ built and compiled offline for sm_90 (session 7): at M = 16 Triton 3.6 lowers an
 float16 ``mma.sync`` after the same per-element conversions (MMAv2; wgmma needs M >= 64), so they
 saved no instruction and cost the query's rounding; not kept.
 
+Several kv heads per program (``kv_heads_per_program``, session 11): the heads of a program share
+the block loop and each block's page-id load, and their K/V gathers are issued together, so a
+program holds that many times the bytes in flight per dependent page-id load; in the NHD layout
+the heads of one token are adjacent, so two heads' FP8 rows form one 256-byte run. Results are
+the bits of one head per program (tests). Offline sm_90 codegen of the FP8 table config (4 pages,
+2 warps, 5 stages, word gather): 162 registers, 5 CTAs per SM with one head; 252 registers, 3
+CTAs per SM with two; four heads spill. Not yet timed on the GPU.
+
 Tuning: `default_config` takes the config measured fastest for the pool dtype on this device kind
 from ``paged_attention_tuning.json`` (``main --tuning-out``, or another table named by
 ``FP8RL_PAGED_ATTENTION_TUNING``); on the H200 at B = 256, context <= 2048: BF16 8 pages/block,
@@ -164,6 +172,12 @@ class PagedAttentionConfig:
         the H200, B = 256, context <= 2k: 65.8% of the copy ceiling vs 60.0% for the best byte
         gather, both one- or two-warp configs).
         q and the output are permuted to plane order outside the kernel. Ignored otherwise.
+      kv_heads_per_program: kv heads one program attends (a power of two; the grid's head axis shrinks by
+        it). Each block's page ids are loaded once for all of them and their K/V gathers are issued
+        together, so a program has that many times the bytes in flight per dependent page-id load (in
+        the NHD layout the heads of a token are adjacent: one 128-byte FP8 row per head becomes a
+        ``heads x 128``-byte run). Each head keeps its own softmax state and dots. Where it does not
+        divide the kv heads, the largest power of two that does is used.
     """
 
     pages_per_block: int = 8
@@ -173,8 +187,12 @@ class PagedAttentionConfig:
     num_stages: int = 2
     fp8_dot_dtype: str = "bfloat16"
     fp8_word_gather: bool = False
+    kv_heads_per_program: int = 1
 
     def __post_init__(self):
+        if not _pow2(self.kv_heads_per_program):
+            raise ValueError(f"PagedAttentionConfig.kv_heads_per_program must be a power of two, got "
+                             f"{self.kv_heads_per_program!r}")
         if not _pow2(self.pages_per_block):
             raise ValueError(
                 f"PagedAttentionConfig.pages_per_block must be a power of two, got {self.pages_per_block!r}")
@@ -276,17 +294,21 @@ def _word_gather(config: PagedAttentionConfig, pool_dtype, cdt, head_dim: int) -
 
 def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, num_splits: int,
                    pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int, cdt,
-                   planes: int = 1, asm: bool = False, rows_out: int | None = None):
+                   planes: int = 1, asm: bool = False, rows_out: int | None = None, heads: int = 1,
+                   hnd: bool = False):
     """Refs: len [B], pt [B, max_pages + pages_per_block], scale [2] (k_scale * H^-0.5, v_scale),
     q [Gp, H], k/v [P, page_size, H / planes] (this kv head); out [Gp, H] (S == 1) or o [Gp, H]
     f32 and lse [Gp] f32. ``cdt``: the dots' operand dtype (`_dot_dtype`). ``planes`` = 4: the
     pools are uint32 words of 4 E4M3 values and q, out are in plane order (column ``j * H/4 + c``
     is head dim ``4c + j``), so the logits are the sum of 4 plane dots and P@V runs per plane.
     ``rows_out``: the output rows stored (the real query heads of the group, the first rows of the
-    ``Gp`` computed), so the padding rows cost no output bytes."""
+    ``Gp`` computed), so the padding rows cost no output bytes. ``heads`` > 1 (`kv_heads_per_program`):
+    q, out, o and lse gain a leading axis of that many kv heads and k/v are [P, page_size, heads, H /
+    planes] ([P, heads, page_size, H / planes] with ``hnd``); the heads share the block loop and its
+    page ids, each with its own softmax state."""
     b, s = pl.program_id(0), pl.program_id(2)
-    gp, h = q_ref.shape
-    ps, hw = k_ref.shape[1], k_ref.shape[2]  # hw = H / planes
+    gp, h = q_ref.shape[-2:]
+    ps, hw = (k_ref.shape[2], k_ref.shape[3]) if heads > 1 and hnd else (k_ref.shape[1], k_ref.shape[-1])
     bp = pages_per_block
     prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
 
@@ -297,9 +319,16 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     p_start = s * pps
     p_end = jnp.minimum(p_start + pps, n_pages)
     n_blocks = (jnp.maximum(p_end - p_start, 0) + bp - 1) // bp
-    qs = [q_ref[...]] if planes == 1 else [q_ref[:, pl.ds(j * hw, hw)] for j in range(planes)]
-    if qs[0].dtype != cdt:  # bfloat16 -> float16: clamp to its range (no inf from a huge query)
-        qs = [jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt) for q in qs]
+
+    def head_q(hd):
+        at = (hd,) if heads > 1 else ()
+        qs = ([q_ref[hd] if heads > 1 else q_ref[...]] if planes == 1 else
+              [q_ref[(*at, slice(None), pl.ds(j * hw, hw))] for j in range(planes)])
+        if qs[0].dtype != cdt:  # bfloat16 -> float16: clamp to its range (no inf from a huge query)
+            qs = [jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt) for q in qs]
+        return qs
+
+    qss = [head_q(hd) for hd in range(heads)]
     k_scale, v_scale = scale_ref[0], scale_ref[1]
     nt = bp * ps  # tokens per block
     row = jnp.arange(nt, dtype=jnp.int32)
@@ -308,7 +337,6 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     limit = jnp.minimum(p_end * ps, length)  # tokens of this split's range end here
 
     def body(i, carry):
-        m, l, accs = carry
         pages = p_start + i * bp + row_page  # [nt]: the page (index into the row's table) of each row
         # Page id per token row (a gather of bp distinct table entries, repeated ps times: L1 hits),
         # so the K/V gather below is one 2-D [nt, H] pointer tile that feeds the dots without a
@@ -317,47 +345,66 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
         ok = pages * ps + row_tok < limit  # [nt]
         shape2 = (nt, hw)
         ok2 = jnp.broadcast_to(ok[:, None], shape2)
-        idx = (jnp.broadcast_to(ids[:, None], shape2), jnp.broadcast_to(row_tok[:, None], shape2),
-               jnp.broadcast_to(h_off[None, :], shape2))  # an element gather: [nt, H / planes]
-        kt = plgpu.load(k_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, k_ref.dtype))
-        vt = plgpu.load(v_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, v_ref.dtype))
-        logits = None
-        for q, kj in zip(qs, _planes(kt, planes, cdt, asm)):
-            d = jax.lax.dot_general(q, kj, (((1,), (1,)), ((), ())), precision=prec,
-                                    preferred_element_type=jnp.float32)
-            logits = d if logits is None else logits + d
-        logits = jnp.where(ok[None, :], logits * k_scale, _MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(logits - m_new[:, None])
-        l = alpha * l + jnp.sum(p, axis=1)
-        pc = p.astype(cdt)
-        accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(pc, vj, (((1,), (0,)), ((), ())), precision=prec,
-                                                                preferred_element_type=jnp.float32)
-                     for acc, vj in zip(accs, _planes(vt, planes, cdt, asm)))
-        return m_new, l, accs
+        ids2, tok2 = jnp.broadcast_to(ids[:, None], shape2), jnp.broadcast_to(row_tok[:, None], shape2)
+        h2 = jnp.broadcast_to(h_off[None, :], shape2)
+        tiles = []
+        for hd in range(heads):  # every head's gathers first: all of them in flight before the dots
+            if heads == 1:
+                idx = (ids2, tok2, h2)  # an element gather: [nt, H / planes]
+            else:
+                hd2 = jnp.full(shape2, hd, jnp.int32)
+                idx = (ids2, hd2, tok2, h2) if hnd else (ids2, tok2, hd2, h2)
+            kt = plgpu.load(k_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, k_ref.dtype))
+            vt = plgpu.load(v_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, v_ref.dtype))
+            tiles.append((kt, vt))
+        out = []
+        for qs, (kt, vt), (m, l, accs) in zip(qss, tiles, carry):
+            logits = None
+            for q, kj in zip(qs, _planes(kt, planes, cdt, asm)):
+                d = jax.lax.dot_general(q, kj, (((1,), (1,)), ((), ())), precision=prec,
+                                        preferred_element_type=jnp.float32)
+                logits = d if logits is None else logits + d
+            logits = jnp.where(ok[None, :], logits * k_scale, _MASK_VALUE)
+            m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(logits - m_new[:, None])
+            l = alpha * l + jnp.sum(p, axis=1)
+            pc = p.astype(cdt)
+            accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(pc, vj, (((1,), (0,)), ((), ())), precision=prec,
+                                                                    preferred_element_type=jnp.float32)
+                         for acc, vj in zip(accs, _planes(vt, planes, cdt, asm)))
+            out.append((m_new, l, accs))
+        return tuple(out)
 
-    init = (jnp.full((gp,), _MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32),
-            tuple(jnp.zeros((gp, hw), jnp.float32) for _ in range(planes)))
-    m, l, accs = jax.lax.fori_loop(0, n_blocks, body, init)
-    has = l > 0
-    inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
+    init = tuple((jnp.full((gp,), _MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32),
+                  tuple(jnp.zeros((gp, hw), jnp.float32) for _ in range(planes))) for _ in range(heads))
+    states = jax.lax.fori_loop(0, n_blocks, body, init)
     o_ref = out_refs[0]
     rows = gp if rows_out is None else rows_out
 
     def real(x):  # the first ``rows`` rows (an equal power-of-two split: what Triton's lowering takes)
         return x if rows == gp else jnp.split(x, gp // rows, axis=0)[0]
 
-    for j, acc in enumerate(accs):
-        out = real(acc * (inv * v_scale)[:, None])
-        if num_splits == 1:
-            out = out.astype(o_ref.dtype)
-        if planes == 1:
-            o_ref[...] = out
-        else:
-            o_ref[:, pl.ds(j * hw, hw)] = out
-    if num_splits > 1:
-        out_refs[1][...] = real(jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), _MASK_VALUE))
+    for hd, (m, l, accs) in enumerate(states):
+        at = (hd,) if heads > 1 else ()
+        has = l > 0
+        inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
+        for j, acc in enumerate(accs):
+            out = real(acc * (inv * v_scale)[:, None])
+            if num_splits == 1:
+                out = out.astype(o_ref.dtype)
+            if planes == 1 and heads > 1:
+                o_ref[hd] = out
+            elif planes == 1:
+                o_ref[...] = out
+            else:
+                o_ref[(*at, slice(None), pl.ds(j * hw, hw))] = out
+        if num_splits > 1:
+            lse = real(jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), _MASK_VALUE))
+            if heads > 1:
+                out_refs[1][hd] = lse
+            else:
+                out_refs[1][...] = lse
 
 
 def _pool_dims(pages, layout: KvLayout) -> tuple[int, int, int, int]:
@@ -394,32 +441,35 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     # only the G real rows of the padded group are written: with splits the float32 partials of the
     # Gp rows were 4x the real ones at Qwen3's G = 4 (3.6 GB per 36-layer step at B = 256, S = 3)
     go = G if _pow2(G) else gp
+    kh = kv_heads_per_program(config, K)
     kernel = functools.partial(_decode_kernel, num_splits=S, pages_per_block=bp,
                                pages_per_split=config.pages_per_split, max_pages=max_pages, num_pages=P,
-                               cdt=cdt, planes=planes, asm=not interpret, rows_out=go)
+                               cdt=cdt, planes=planes, asm=not interpret, rows_out=go, heads=kh,
+                               hnd=layout is KvLayout.HND)
     hw = H // planes
+    hb = None if kh == 1 else kh  # the head axis of a block: squeezed for one head per program
     in_specs = [
         pl.BlockSpec((B,), lambda b, k, s: (0,)),
         pl.BlockSpec((B, max_pages + bp), lambda b, k, s: (0, 0)),
         pl.BlockSpec((2,), lambda b, k, s: (0,)),
-        pl.BlockSpec((None, None, gp, H), lambda b, k, s: (b, k, 0, 0)),
+        pl.BlockSpec((None, hb, gp, H), lambda b, k, s: (b, k, 0, 0)),
     ]
-    if layout is KvLayout.HND:  # the kernel sees this kv head's pool as [P, page_size, H] either way
-        pool_spec = pl.BlockSpec((P, None, ps, hw), lambda b, k, s: (0, k, 0, 0))
+    if layout is KvLayout.HND:  # with one head per program the kernel sees [P, page_size, H] either way
+        pool_spec = pl.BlockSpec((P, hb, ps, hw), lambda b, k, s: (0, k, 0, 0))
     else:
-        pool_spec = pl.BlockSpec((P, ps, None, hw), lambda b, k, s: (0, 0, k, 0))
+        pool_spec = pl.BlockSpec((P, ps, hb, hw), lambda b, k, s: (0, 0, k, 0))
     in_specs += [pool_spec, pool_spec]
     if S == 1:
-        out_specs = pl.BlockSpec((None, None, go, H), lambda b, k, s: (b, k, 0, 0))
+        out_specs = pl.BlockSpec((None, hb, go, H), lambda b, k, s: (b, k, 0, 0))
         out_shape = jax.ShapeDtypeStruct((B, K, go, H), q.dtype)
     else:
-        out_specs = [pl.BlockSpec((None, None, None, go, H), lambda b, k, s: (s, b, k, 0, 0)),
-                     pl.BlockSpec((None, None, None, go), lambda b, k, s: (s, b, k, 0))]
+        out_specs = [pl.BlockSpec((None, None, hb, go, H), lambda b, k, s: (s, b, k, 0, 0)),
+                     pl.BlockSpec((None, None, hb, go), lambda b, k, s: (s, b, k, 0))]
         out_shape = [jax.ShapeDtypeStruct((S, B, K, go, H), jnp.float32),
                      jax.ShapeDtypeStruct((S, B, K, go), jnp.float32)]
     res = pl.pallas_call(
         kernel,
-        grid=(B, K, S),
+        grid=(B, K // kh, S),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -440,6 +490,15 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     if planes > 1:  # back from plane order
         out = out.reshape(B, K, G, 4, H // 4).swapaxes(-1, -2)
     return out.reshape(B, N, H).astype(q.dtype)
+
+
+def kv_heads_per_program(config: PagedAttentionConfig, num_kv_heads: int) -> int:
+    """The kv heads a program attends: ``config.kv_heads_per_program`` or, where it does not divide
+    ``num_kv_heads``, the largest power of two below it that does."""
+    kh = config.kv_heads_per_program
+    while num_kv_heads % kh:
+        kh //= 2
+    return kh
 
 
 def supports(page_size: int, head_dim: int) -> bool:
@@ -549,8 +608,10 @@ def _fit_shared_memory(config: PagedAttentionConfig, k_pages: jax.Array,
     """Halves ``pages_per_block`` while the K and V tiles of all pipeline stages would overflow shared
     memory (a float32 pool at H = 128 needs 256 KB with 8 pages of 16 tokens and 2 stages: seen on the
     H200), down to the 16-row minimum of a Triton dot."""
-    _, page_size, _, H = _pool_dims(k_pages, layout)
-    tile = lambda ppb: 2 * ppb * page_size * H * jnp.dtype(k_pages.dtype).itemsize * max(config.num_stages, 1)  # noqa: E731
+    _, page_size, K, H = _pool_dims(k_pages, layout)
+    kh = kv_heads_per_program(config, K)  # a program's tiles hold kh heads
+    tile = lambda ppb: (2 * kh * ppb * page_size * H * jnp.dtype(k_pages.dtype).itemsize  # noqa: E731
+                        * max(config.num_stages, 1))
     ppb = config.pages_per_block
     while tile(ppb) > _SMEM_BUDGET and ppb > 1 and (ppb // 2) * page_size >= MIN_ROWS:
         ppb //= 2
@@ -663,13 +724,20 @@ def wide_sweep() -> tuple[PagedAttentionConfig, ...]:
 
 def fp8_sweep() -> tuple[PagedAttentionConfig, ...]:
     """FP8 pools, float16 dots, with and without the word gather (`fp8_word_gather`), at 2-8
-    pages per block, 2-4 warps and 4-6 stages. No one-warp configs: they were the fastest (61-66%
+    pages per block, 2-4 warps and 4-6 stages, and the word gather with two kv heads per program
+    (`kv_heads_per_program`; first, so a cut-short run times them). No one-warp configs: they were the fastest (61-66%
     of the copy ceiling on the H200) but every W1 rollout decoding with one stopped advancing
     (sessions 5-6; `experiments/paged_attention_stall_hunt.py`), so the search moves to the
     structures a table may hold (`--table-min-warps`)."""
-    return tuple(PagedAttentionConfig(pages_per_block=b, pages_per_split=64, num_warps=w, num_stages=st,
+    base = tuple(PagedAttentionConfig(pages_per_block=b, pages_per_split=64, num_warps=w, num_stages=st,
                                       fp8_dot_dtype="float16", fp8_word_gather=words)
                  for words in (True, False) for b in (2, 4, 8) for w in (2, 4) for st in (4, 5, 6))
+    # two kv heads per program (session 11, not yet timed): the configs that compile offline for sm_90 without
+    # spills (experiments/inspect_triton_codegen.py --kv-heads 1 2 4: 114-252 registers, 3-4 CTAs per SM)
+    pairs = tuple(PagedAttentionConfig(pages_per_block=b, pages_per_split=64, num_warps=w, num_stages=5,
+                                       fp8_dot_dtype="float16", fp8_word_gather=True, kv_heads_per_program=2)
+                  for b in (2, 4) for w in (2, 4))
+    return pairs + base
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -193,6 +193,30 @@ class TestPagedAttentionInterpret:
                                  table, lens, config=cfg, interpret=self.INTERPRET, layout=pa.KvLayout.HND)
         np.testing.assert_array_equal(np.asarray(hnd.astype(F32)), np.asarray(nhd.astype(F32)))
 
+    @pytest.mark.parametrize("name,heads,layout", [
+        ("f32-split4-ragged", 2, pa.KvLayout.NHD), ("bf16-nosplit", 2, pa.KvLayout.HND),
+        ("fp8-bf16q-G3-split", 4, pa.KvLayout.NHD), ("fp8-bf16q-f16dots-words", 2, pa.KvLayout.HND),
+        ("fp8-kv4", 4, pa.KvLayout.NHD), ("fp8-kv4", 2, pa.KvLayout.HND)])
+    def test_several_kv_heads_per_program_give_the_same_bits(self, name, heads, layout):
+        """kv_heads_per_program > 1 (the heads share a block loop and its page ids, each with its own
+        softmax state) gives the bits of one head per program, splits and word gathers included; where
+        it does not divide the kv heads (4 of 2), the largest power of two that does is used."""
+        kw, lengths, cfg = CASES[name] if name in CASES else (
+            {"N": 8, "K": 4, "H": 64, "ps": 4, "max_pages": 12, "pool": FP8, "q_dtype": BF16}, [45, 3, 16, 30],
+            pa.PagedAttentionConfig(pages_per_block=2, pages_per_split=4, max_splits=3, fp8_dot_dtype="float16",
+                                    fp8_word_gather=True))
+        args, q64, row_kv = make_case(len(name) + heads, lengths, **kw)
+        q, kp, vp, ks, vs, table, lens = args
+        if layout is pa.KvLayout.HND:
+            kp, vp = jnp.transpose(kp, (0, 2, 1, 3)), jnp.transpose(vp, (0, 2, 1, 3))
+        one = pa.paged_attention(q, kp, vp, ks, vs, table, lens, config=cfg, interpret=self.INTERPRET, layout=layout)
+        many_cfg = dataclasses.replace(cfg, kv_heads_per_program=heads)
+        assert pa.kv_heads_per_program(many_cfg, kw["K"]) == min(heads, kw["K"])
+        many = pa.paged_attention(q, kp, vp, ks, vs, table, lens, config=many_cfg, interpret=self.INTERPRET,
+                                  layout=layout)
+        np.testing.assert_array_equal(np.asarray(many.astype(F32)), np.asarray(one.astype(F32)))
+        assert _max_rel(many, attention_f64(q64, row_kv, kw["K"])) < TOL_F64[kw["q_dtype"]]
+
     def test_long_context_fp8_error_flat(self):
         """FP8 KV against float32 KV at 1k and 8k keys: the error does not grow with context.
 
