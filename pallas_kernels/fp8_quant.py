@@ -222,6 +222,82 @@ def quantize_weight(
     return fp8_ref.QuantizedWeight(q=q, scale_inv=s, block_size=(QBLOCK, QBLOCK))
 
 
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _quantize_concat(ws: tuple, config: QuantConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """The parts quantized into one ``[sum N, K]`` buffer: one kernel launch per part, each writing its
+    rows of the buffer the previous launch returned (aliased: no copy, and no fill of the rows a later
+    part writes)."""
+    n_total, k = sum(w.shape[0] for w in ws), ws[0].shape[1]
+    bn, bk = config.block_n, config.block_k
+    assert bn == QBLOCK  # a part's first row block must start at a multiple of the tile
+    kb = pl.cdiv(k, QBLOCK)
+    out_shape = [jax.ShapeDtypeStruct((n_total, k), jnp.float8_e4m3fn),
+                 jax.ShapeDtypeStruct((pl.cdiv(n_total, QBLOCK), kb), jnp.float32)]
+    q = s = None
+    row0 = 0
+    for w in ws:
+        n = w.shape[0]
+        off = row0 // bn  # this part's first tile row in the buffer
+        kernel = functools.partial(_quant_kernel, n=n, k=k, native=not interpret)
+        # the kernel's grid is (E, N tiles, K tiles) with one E here (it reads program ids 1 and 2)
+        out_specs = [pl.BlockSpec((bn, bk), lambda e, i, j, off=off: (off + i, j)),
+                     pl.BlockSpec((bn // QBLOCK, bk // QBLOCK), lambda e, i, j, off=off: (off + i, j))]
+        in_specs = [pl.BlockSpec((bn, bk), lambda e, i, j: (i, j))]
+        args, aliases = (w,), {}
+        if q is not None:  # the buffer so far, updated in place
+            in_specs += out_specs
+            args, aliases = (w, q, s), {1: 0, 2: 1}
+        q, s = pl.pallas_call(
+            (lambda kern: lambda w_ref, *refs: kern(w_ref, *refs[-2:]))(kernel),
+            grid=(1, pl.cdiv(n, bn), pl.cdiv(k, bk)),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            input_output_aliases=aliases,
+            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+            interpret=interpret,
+            name="fp8_quantize_weight_concat",
+        )(*args)
+        row0 += n
+    return q, s
+
+
+def quantize_weight_concat(
+    ws,
+    config: QuantConfig | None = None,
+    *,
+    interpret: bool | None = None,
+) -> fp8_ref.QuantizedWeight:
+    """`quantize_weight` of the parts ``ws`` (``[N_i, K]`` each) concatenated on the output axis, without
+    the concatenation: each part is quantized straight into its rows of one buffer. The generator's
+    fused q/k/v and gate/up weights (`fp8rl_jax.models.fusion`), which a weight sync would otherwise
+    quantize part by part and then copy into place. Every part but the last must have ``N_i % 128 ==
+    0`` (so no 128x128 block straddles two parts); the result is bit-identical to concatenating the
+    parts' `quantize_weight` results. ``config.block_n`` must be 128."""
+    config = DEFAULT_CONFIG if config is None else config
+    if not isinstance(config, QuantConfig):
+        raise ValueError(f"config must be a QuantConfig or None, got {type(config).__name__}")
+    if config.block_n != QBLOCK:
+        raise ValueError(f"quantize_weight_concat needs config.block_n == {QBLOCK}, got {config.block_n}")
+    interpret = resolve_interpret(interpret)
+    ws = tuple(jnp.asarray(w) if not hasattr(w, "shape") else w for w in ws)
+    if not ws:
+        raise ValueError("quantize_weight_concat needs at least one part")
+    for i, w in enumerate(ws):
+        if w.ndim != 2 or any(d == 0 for d in w.shape):
+            raise ValueError(f"part {i} must be a non-empty [N, K] matrix, got shape {tuple(w.shape)}")
+        if w.shape[1] != ws[0].shape[1] or jnp.dtype(w.dtype) != jnp.dtype(ws[0].dtype):
+            raise ValueError(f"part {i} is {w.dtype}{tuple(w.shape)}, part 0 {ws[0].dtype}{tuple(ws[0].shape)}: "
+                             "the parts need one K and one dtype")
+        if jnp.dtype(w.dtype) not in _SUPPORTED_IN:
+            raise ValueError(f"part {i} must be bfloat16 or float32, got {w.dtype}")
+        if i < len(ws) - 1 and w.shape[0] % QBLOCK:
+            raise ValueError(f"part {i} has N={w.shape[0]}, not a multiple of {QBLOCK}: its last block would "
+                             "straddle the next part")
+    q, s = _quantize_concat(ws, config, interpret)
+    return fp8_ref.QuantizedWeight(q=q, scale_inv=s, block_size=(QBLOCK, QBLOCK))
+
+
 def quantize_weight_reference(w: jax.Array) -> fp8_ref.QuantizedWeight:
     """The pure-jnp twin: `fp8rl_jax.quant.quantize_weight_blockwise` (E4M3, FP32 scales, 128x128), run on the CPU.
 

@@ -4,6 +4,7 @@ GEMM each, against the separate projections of the same weights."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from configs.models import tiny_qwen3, tiny_qwen3_moe
 from fp8rl_jax.models import DensePolicy, Fp8Mode, forward, init_params
 from fp8rl_jax.models.fusion import FusedWeight, fuse_params, is_fused
 from fp8rl_jax.quant.fp8 import QuantizedWeight
-from fp8rl_jax.quant.policy import W8A8Policy, quantize_params
+from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, quantize_params, quantizing_concat
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
 from fp8rl_jax.rollout.sampling import SamplingConfig
 
@@ -64,6 +65,27 @@ def test_parts_that_are_not_whole_blocks_stay_separate():
     assert isinstance(flat[("layers", 0, "self_attn", "q_proj", "weight")], QuantizedWeight)
     assert isinstance(flat[("layers", 0, "mlp", "gate_proj", "weight")], FusedWeight)
     assert isinstance(_flat(fuse_params(params))[("layers", 0, "self_attn", "q_proj", "weight")], FusedWeight)
+
+
+@pytest.mark.parametrize("config,bf16_first", [(ALIGNED, 0), (ALIGNED, 1), (ALIGNED_MOE, 0), (tiny_qwen3, 0)],
+                         ids=["dense", "dense-layer0-bf16", "moe", "unaligned-q"])
+def test_weight_sync_quantizes_straight_into_the_fused_layout(config, bf16_first):
+    """The generator's FP8 weight sync (fusion with `quantizing_concat`, then `quantize_params`) gives
+    ``fuse_params(quantize_params(params))`` leaf for leaf, bit for bit: every group quantized into its
+    concatenation, a BF16 layer's group fused dense, parts that are not whole blocks kept apart."""
+    policy = LayerPolicy(bf16_first_layers=bf16_first)
+    params = init_params(config, jax.random.key(1), jnp.float32)
+    concat = functools.partial(quantizing_concat, config=config, layer_policy=policy)
+    got = jax.jit(lambda p: quantize_params(fuse_params(p, concat=concat), config, policy))(params)
+    want = jax.jit(lambda p: fuse_params(quantize_params(p, config, policy)))(params)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
+        for x, y in zip(jax.tree.leaves(a.get_value()), jax.tree.leaves(b.get_value())):
+            assert x.shape == y.shape and x.dtype == y.dtype, path
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8), str(path))
+    if config is not ALIGNED_MOE:  # (an MoE layer's mlp is its experts)
+        head = _flat(got)[("layers", 0, "mlp", "gate_proj", "weight")]
+        assert isinstance(head, FusedWeight) and isinstance(head.w, QuantizedWeight) != bool(bf16_first)
 
 
 @pytest.mark.parametrize("config", [ALIGNED, ALIGNED_MOE], ids=["dense", "moe"])

@@ -74,6 +74,17 @@ class TestQuantInterpret:
         assert not np.isnan(np.asarray(got.q.astype(jnp.float32))).any()
 
 
+    @pytest.mark.parametrize("rows", [(256, 128, 128), (128, 384, 200)], ids=str)
+    def test_concat_is_the_concatenation_of_the_parts(self, rows):
+        """`quantize_weight_concat`: each part quantized into its rows of one buffer (aliased kernel
+        launches) equals the reference of the concatenated weight, bit for bit (a partial last part
+        included); jitted, as the weight sync runs it."""
+        rng = np.random.default_rng()
+        parts = [jnp.asarray(rng.standard_normal((n, 384)) * rng.uniform(0.01, 3.0), jnp.bfloat16) for n in rows]
+        got = jax.jit(lambda ps: fq.quantize_weight_concat(ps, interpret=self.INTERPRET))(parts)
+        _bits_equal(got, fq.quantize_weight_reference(jnp.concatenate(parts)))
+
+
 @pytest.mark.gpu
 class TestQuantGpu(TestQuantInterpret):
     INTERPRET = False
@@ -96,6 +107,17 @@ class TestQuantValidation:
             fq.QuantConfig(block_n=100)
         with pytest.raises(ValueError, match="QuantConfig"):
             fq.quantize_weight(jnp.zeros((4, 4)), config=(128, 128))
+        ok = jnp.zeros((128, 256))
+        with pytest.raises(ValueError, match="part 0 has N=100, not a multiple of 128"):
+            fq.quantize_weight_concat([jnp.zeros((100, 256)), ok])
+        with pytest.raises(ValueError, match="one K and one dtype"):
+            fq.quantize_weight_concat([ok, jnp.zeros((128, 128))])
+        with pytest.raises(ValueError, match="one K and one dtype"):
+            fq.quantize_weight_concat([ok, ok.astype(jnp.bfloat16)])
+        with pytest.raises(ValueError, match="block_n == 128"):
+            fq.quantize_weight_concat([ok], config=fq.QuantConfig(256, 256))
+        with pytest.raises(ValueError, match="non-empty"):
+            fq.quantize_weight_concat([ok, jnp.zeros((0, 256))])
 
     def test_main_without_gpu(self, capsys):
         if jax.default_backend() == "gpu":

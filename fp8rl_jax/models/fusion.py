@@ -18,6 +18,7 @@ splits q, k and v by heads, not the concatenation evenly).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -53,7 +54,7 @@ def _placeholder(w: Any) -> jax.Array:
     return jnp.zeros((0,), dtype)
 
 
-def _concat(parts: list[Any]) -> Any | None:
+def concat_parts(parts: list[Any]) -> Any | None:
     """The parts concatenated on the output axis, or None where they cannot be (quantized parts
     that do not end on a block row, mixed precision, other input widths)."""
     from fp8rl_jax.quant.fp8 import QuantizedWeight  # the quant package imports the models
@@ -74,9 +75,12 @@ def _concat(parts: list[Any]) -> Any | None:
     return jnp.concatenate(parts)
 
 
-def fuse_params(params: nnx.State) -> nnx.State:
+def fuse_params(params: nnx.State, concat: Callable[[list, list], Any] | None = None) -> nnx.State:
     """The params with q/k/v and gate/up fused wherever they can be (module docstring); jit-friendly.
-    Layers whose parts cannot be concatenated (see ``_concat``) keep them separate."""
+    Layers whose parts cannot be concatenated (see ``concat_parts``) keep them separate. ``concat(parts,
+    paths)`` builds a group's fused weight from its parts and their param paths, or returns None to
+    keep them separate (default: ``concat_parts``; the generator's weight sync passes one that quantizes
+    the parts straight into the fused buffer, `fp8rl_jax.quant.policy.quantizing_concat`)."""
     flat = dict(nnx.to_flat_state(params))
     layers = sorted({path[1] for path in flat if path[0] == "layers"})
     for layer in layers:
@@ -85,12 +89,12 @@ def fuse_params(params: nnx.State) -> nnx.State:
             if not all(p in flat for p in paths):
                 continue  # e.g. an MoE layer's mlp
             parts = [flat[p].get_value() for p in paths]
-            fused = _concat(parts)
+            fused = concat_parts(parts) if concat is None else concat(parts, paths)
             if fused is None:
                 continue
             flat[paths[0]] = flat[paths[0]].replace(FusedWeight(fused, tuple(int(p.shape[0]) for p in parts)))
-            for p, w in zip(paths[1:], parts[1:]):
-                flat[p] = flat[p].replace(_placeholder(w))
+            for p in paths[1:]:
+                flat[p] = flat[p].replace(_placeholder(fused))
     return nnx.from_flat_state(list(flat.items()))
 
 

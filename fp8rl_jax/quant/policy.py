@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, Kernels, MatmulPolicy, Proj, Site
+from fp8rl_jax.models.fusion import FusedWeight, concat_parts
 from fp8rl_jax.quant import cublaslt
 from fp8rl_jax.quant.fp8 import (QuantizedWeight, dequantize_activations, quantize_activations,
                                  quantize_activations_t, quantize_weight_blockwise)
@@ -131,14 +132,49 @@ def quantize_weight(w: jax.Array, block_size: tuple[int, int] = (128, 128), kern
 
 def quantize_params(params: nnx.State, config: ModelConfig, layer_policy: LayerPolicy = LayerPolicy(),
                     kernels: Kernels = Kernels.AUTO) -> nnx.State:
-    """Replaces the weights the layer policy selects by ``QuantizedWeight`` (jit-friendly)."""
+    """Replaces the weights the layer policy selects by ``QuantizedWeight`` (jit-friendly). Weights
+    already quantized, fused (`FusedWeight`: built quantized or kept dense by `quantizing_concat`) or
+    fused away (empty placeholders) stay as they are."""
     out = []
     for path, var in nnx.to_flat_state(params):
         w = var.get_value()
-        if not isinstance(w, QuantizedWeight) and layer_policy.quantizes(site_of(tuple(path)), config.num_layers):
+        done = isinstance(w, (QuantizedWeight, FusedWeight)) or getattr(w, "size", 1) == 0
+        if not done and layer_policy.quantizes(site_of(tuple(path)), config.num_layers):
             w = quantize_weight(w, layer_policy.block_size, kernels)
         out.append((path, var.replace(w)))
     return nnx.from_flat_state(out)
+
+
+def quantize_weight_concat(parts: list, block_size: tuple[int, int] = (128, 128), kernels: Kernels = Kernels.AUTO
+                           ) -> QuantizedWeight:
+    """`quantize_weight` of ``parts`` ([N_i, K] each, every N_i a multiple of the block rows) concatenated
+    on the output axis. The Pallas path quantizes each part straight into its rows of one buffer
+    (`pallas_kernels.fp8_quant.quantize_weight_concat`); the result equals quantizing the parts and
+    concatenating."""
+    if (kernels.pallas() and tuple(block_size) == _KERNEL_BLOCK
+            and all(jnp.dtype(p.dtype) in (jnp.bfloat16, jnp.float32) for p in parts)):
+        return quant_kernel.quantize_weight_concat(parts, interpret=jax.default_backend() != "gpu")
+    qs = [quantize_weight_blockwise(p, block_size) for p in parts]
+    return QuantizedWeight(jnp.concatenate([q.q for q in qs]), jnp.concatenate([q.scale_inv for q in qs]),
+                           tuple(block_size))
+
+
+def quantizing_concat(parts: list, paths: list, config: ModelConfig, layer_policy: LayerPolicy = LayerPolicy(),
+                      kernels: Kernels = Kernels.AUTO) -> Any:
+    """A ``concat`` for `fp8rl_jax.models.fusion.fuse_params` on dense params, giving what
+    ``fuse_params(quantize_params(params))`` gives without quantizing part by part and copying the parts
+    into place: quantized into one buffer where the layer policy quantizes every part, the dense
+    concatenation where it quantizes none, None (parts kept apart, quantized separately by
+    `quantize_params`) where it quantizes some, or where fusion would refuse the quantized parts."""
+    flags = [layer_policy.quantizes(site_of(tuple(p)), config.num_layers) for p in paths]
+    if not any(flags):
+        return concat_parts(parts)
+    bn = layer_policy.block_size[0]
+    if (not all(flags) or any(isinstance(p, (QuantizedWeight, FusedWeight)) for p in parts)
+            or any(p.ndim != 2 or p.shape[0] % bn for p in parts) or len({p.shape[1] for p in parts}) != 1
+            or len({jnp.dtype(p.dtype) for p in parts}) != 1):
+        return None
+    return quantize_weight_concat(parts, layer_policy.block_size, kernels)
 
 
 def dequantize_params(params: nnx.State, dtype: Any = jnp.bfloat16) -> nnx.State:

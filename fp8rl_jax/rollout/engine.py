@@ -78,7 +78,8 @@ from fp8rl_jax.models.fusion import fuse_params
 from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit, calibration_batch
 from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
 from fp8rl_jax.models.policy import Kernels
-from fp8rl_jax.quant.policy import GemmBackend, LayerPolicy, W8A8Policy, WeightSharding, quantize_params
+from fp8rl_jax.quant.policy import (GemmBackend, LayerPolicy, W8A8Policy, WeightSharding, quantize_params,
+                                    quantizing_concat)
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
 from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
 from fp8rl_jax.rollout.watchdog import StallWatchdog
@@ -254,8 +255,10 @@ class JaxEngine:
                              "heads, not their concatenation")
         quantize = functools.partial(quantize_params, config=model_config, layer_policy=LayerPolicy(block_size=block))
         # the trainer's params -> the generator's layout: FP8 quantization and/or fusion (None: as given)
-        if fp8 and self.fused:
-            self._prepare = jax.jit(lambda p: fuse_params(quantize(p)))
+        if fp8 and self.fused:  # the fused parts quantized straight into their concatenation (no copy)
+            concat = functools.partial(quantizing_concat, config=model_config,
+                                       layer_policy=LayerPolicy(block_size=block))
+            self._prepare = jax.jit(lambda p: quantize(fuse_params(p, concat=concat)))
         elif fp8:
             self._prepare = jax.jit(quantize)
         else:
