@@ -40,7 +40,7 @@ from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from fp8rl_jax.rollout import engine as engine_mod  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
-from pallas_kernels.common import trace_kernels  # noqa: E402
+from pallas_kernels.common import fusion_hlo, trace_kernels  # noqa: E402
 
 HBM_BPS = 4.3e12
 # kernel-name fragments -> class (first match wins; names are XLA fusions, cuBLAS kernels and our
@@ -158,10 +158,14 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
             "gpu_span_us_per_step": span / steps,
             "top_kernels_us_per_step": {k: v / steps for k, v in
                                         sorted(by_name.items(), key=lambda kv: -kv[1])[:25]},
-            # what the profiler says of each top kernel (its HLO op, for XLA's fusions), to tell them apart
+            # what the profiler says of each top kernel (inside CUDA graphs it names the command buffer)
             "top_kernels_args": {k: {a: str(v)[:600] for a, v in kargs.get(k, {}).items()} for k, _ in
                                  sorted(by_name.items(), key=lambda kv: -kv[1])[:25]},
         }
+        if args.hlo:  # what each top XLA kernel computes, from the program's optimized HLO
+            hlo = engine_mod._decode.lower(engine.params, engine.cache, *rest, steps=args.steps,
+                                           **engine._static).compile().as_text()
+            row["trace"]["top_kernels_hlo"] = fusion_hlo(hlo, list(row["trace"]["top_kernels_us_per_step"]))
     print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
     if "trace" in row:
         t = row["trace"]
@@ -187,6 +191,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic)")
     ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--hlo", action="store_true",
+                    help="also record the optimized HLO of the top XLA kernels (compiles the decode program again)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-out", type=Path, default=None, help="also keep each traced call's trace.json.gz here")
     args = ap.parse_args(argv)

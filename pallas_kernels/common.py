@@ -7,9 +7,10 @@ import collections
 import datetime
 import gzip
 import json
-import tempfile
 import platform
+import re
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,6 +92,43 @@ def trace_kernels(trace_dir) -> tuple[dict[str, float], float, dict[str, dict]]:
         args.setdefault(e["name"], e.get("args", {}))
         lo, hi = min(lo, float(e["ts"])), max(hi, float(e["ts"]) + d)
     return dict(by_name), (hi - lo if hi > lo else 0.0), args
+
+
+def fusion_hlo(hlo_text: str, kernel_names, max_lines: int = 24) -> dict[str, dict]:
+    """What XLA's kernels named ``kernel_names`` compute, from the optimized HLO of the program
+    (``jitted.lower(...).compile().as_text()``): a GPU kernel is named after its fusion instruction
+    with "." and "-" as "_" (``input_reduce_fusion.3`` -> ``input_reduce_fusion_3``). Per name found: the
+    instruction (shape, kind, operands), the source ops its metadata names, and the first
+    ``max_lines`` instructions of the fused computation. A profiler trace of a program run in CUDA
+    graphs names the command buffer, not the fusion: this is how its kernels are told apart."""
+    comps: dict[str, list[str]] = {}
+    instrs: dict[str, str] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{\s*$", line)
+        if head:
+            current = comps.setdefault(head.group(1), [])
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", line)
+        if m:
+            instrs.setdefault(re.sub(r"\W", "_", m.group(1)), m.group(2))
+            if current is not None:
+                current.append(line.strip())
+    strip = lambda text: re.sub(r", (metadata|backend_config)=.*$", "", text)  # noqa: E731
+    out = {}
+    for name in kernel_names:
+        rest = instrs.get(re.sub(r"\W", "_", name))
+        if rest is None:
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        body = comps.get(called.group(1), []) if called else []
+        ops = sorted(set(re.findall(r'op_name="([^"]+)"', "\n".join([rest, *body]))))
+        out[name] = {"instruction": strip(rest)[:400], "source_ops": ops[:16],
+                     "computation": [strip(line)[:200] for line in body[:max_lines]]}
+    return out
 
 
 def replay_gpu_ms(fn, arg_sets) -> dict:

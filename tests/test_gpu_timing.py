@@ -10,7 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pallas_kernels.common import trace_kernels
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import fusion_hlo, trace_kernels
 
 
 def _write_trace(d: Path, events: list[dict]) -> None:
@@ -66,3 +69,19 @@ def test_bench_gemm_picks_backends_by_gpu_time_and_writes_both_tables():
     wall_line = [ln for ln in wall_part.splitlines() if ln.startswith("| 256 |")][0]
     assert "| 537 |" in gpu_line and "| 252 |" in wall_line
     assert gpu_line.endswith(f"| {537 / 429:.2f}x | {537 / 561:.2f}x |")  # best dispatchable / BF16, / cuBLAS
+
+
+def test_fusion_hlo_names_what_each_kernel_computes():
+    """A kernel named after its fusion instruction (dots as underscores) maps to the instruction, the
+    source ops of its metadata and its fused computation; unknown names are left out."""
+    rng = np.random.default_rng()
+    m, n = (int(v) for v in rng.integers(8, 64, 2))
+    f = jax.jit(lambda x, y: (jnp.exp(x) * y).sum(1) + jnp.tanh(x).T.sum(0))
+    hlo = f.lower(jnp.ones((m, n)), jnp.ones((m, n))).compile().as_text()
+    names = [ln.split("=")[0].strip().removeprefix("ROOT ").lstrip("%").replace(".", "_")
+             for ln in hlo.splitlines() if " fusion(" in ln]
+    got = fusion_hlo(hlo, [*names, "no_such_kernel"])
+    assert set(got) == set(names) and names
+    exp = [v for v in got.values() if any("exponential(" in line for line in v["computation"])]
+    assert len(exp) == 1 and "jit(<lambda>)/exp" in exp[0]["source_ops"]
+    assert "fusion(" in exp[0]["instruction"] and f"f32[{m},{n}]" in "\n".join(exp[0]["computation"])
