@@ -10,7 +10,7 @@ part_a() {
   { echo "== 30B-A3B W1 all"; timeout 330 python $R --preset qwen3_30b_a3b --workload W1 --stall-dump-s 120 \
       --kv-gib-like-vllm 60 87 --modes all --out "$OUT/rollout_30b_W1_all.json"; echo "rc=$?"
     echo "== profile 30B all"; timeout $(left $1) python experiments/profile_decode.py --preset qwen3_30b_a3b \
-      --batch 256 --context 2048 --modes all --out "$OUT/profile_30b.json"; echo "rc=$?"
+      --batch 256 --context 2048 --modes all --hlo --out "$OUT/profile_30b.json"; echo "rc=$?"
   } 2>&1 | filt > "$OUT/a.log"
 }
 part_b() {
