@@ -19,8 +19,9 @@ column-major, so it computes ``out^T = B . A^T``): the weight is cuBLAS's A oper
 transposed) with its 128x128 scales as stored, ``[N/128, K/128]`` with the K blocks padded to a
 multiple of 4; the activations are its B operand (K-major) with the 1x128 scales transposed to
 ``[K/128, M]`` (`fp8_gemm_cublaslt_t` takes them so, as `quantize_activations_t` writes them); M
-is padded to a multiple of 16 (zero rows) so every leading dimension is 16-byte aligned. The wrapper does those (small) copies; the handler checks shapes and dtypes again and
-caches cuBLASLt's algorithm choice per (device, M, N, K, out dtype) and thread. cuBLASLt's
+is padded to a multiple of 16 (zero rows) so every leading dimension is 16-byte aligned. The
+wrapper does those (small) copies; the handler checks shapes and dtypes again and caches
+cuBLASLt's algorithm choice per (device, M, N, K, out dtype) and thread. cuBLASLt's
 workspace (``WORKSPACE_BYTES``) is a second result of the call, so XLA allocates it with the
 other buffers and the call can sit in XLA's command buffers (CUDA graphs) with the kernels around
 it; ``FP8RL_CUBLASLT_GRAPHS=0`` registers calls that always launch from the host instead.
