@@ -4,7 +4,10 @@ Trains a tiny Qwen3 for ``--steps`` updates on a deterministic stream of synthet
 (batch i depends only on i), checkpointing the TrainState and the data cursor after every
 update and appending each step's metrics to ``--metrics`` (JSONL). With ``--kill-after k`` it
 SIGKILLs itself right after the checkpoint of step k is committed, like a preempted job; with
-``--resume`` it restores the latest checkpoint and continues from its cursor.
+``--resume`` it restores the latest checkpoint and continues from its cursor. With
+``--reference-metrics PATH`` it first does a whole uninterrupted run from a fresh state (its own
+checkpoint folder ``--ckpt`` + ``_reference``, metrics to PATH, its final line printed), so one
+process gives the reference and the run that gets killed.
 """
 
 from __future__ import annotations
@@ -51,24 +54,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--kill-after", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--reference-metrics", type=Path, default=None)
     a = ap.parse_args()
     opt = make_optimizer(TC.optimizer)
     step_fn = make_train_step(CFG, DensePolicy("float32"), TC, opt)
+    if a.reference_metrics is not None:
+        run(step_fn, opt, a.ckpt.with_name(a.ckpt.name + "_reference"), a.reference_metrics, a.steps)
+    run(step_fn, opt, a.ckpt, a.metrics, a.steps, kill_after=a.kill_after, resume=a.resume)
+
+
+def run(step_fn, opt, ckpt_dir: Path, metrics: Path, steps: int, kill_after: int = 0, resume: bool = False) -> None:
     state = init_train_state(init_params(CFG, jax.random.key(0), jnp.float32), opt, jax.random.key(1))
-    ckpt = Checkpointer(a.ckpt, CheckpointConfig(max_to_keep=2))
+    ckpt = Checkpointer(ckpt_dir, CheckpointConfig(max_to_keep=2))
     cursor = {"next_batch": 0}
-    if a.resume:
+    if resume:
         state, cursor = ckpt.restore(jax.eval_shape(lambda: state))
-    with a.metrics.open("a") as f:
-        for i in range(cursor["next_batch"], a.steps):
+    with metrics.open("a") as f:
+        for i in range(cursor["next_batch"], steps):
             state, m = step_fn(state, batch_at(i))
             f.write(json.dumps({"step": i + 1, **{k: float(v) for k, v in m.items()}}) + "\n")
             f.flush()
             ckpt.save(state, {"next_batch": i + 1})
-            if i + 1 == a.kill_after:
+            if i + 1 == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
     leaves = jax.tree.leaves(state.params)
-    print(json.dumps({"param_checksum": float(sum(jnp.sum(jnp.abs(x)) for x in leaves))}))
+    print(json.dumps({"param_checksum": float(sum(jnp.sum(jnp.abs(x)) for x in leaves))}), flush=True)
     ckpt.close()
 
 

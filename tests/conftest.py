@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -53,25 +54,40 @@ def ref_python() -> str:
     return str(path)
 
 
-def hf_build(out: Path, hf_config: dict, *, seed: int, dtype: str = "float32", max_shard_size: str | None = None,
-             tokens: np.ndarray | None = None) -> np.ndarray | None:
-    """Builds a random HF checkpoint with transformers' save_pretrained; returns HF's float32
-    logits for ``tokens`` computed from the saved folder (None without tokens)."""
+def hf_reference(*jobs: list[str], workdir: Path) -> None:
+    """Runs ``hf_reference.py`` jobs (each the argument list of one of its commands) in one
+    reference process: torch and transformers load once (seconds), however many jobs."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    fd, jobs_file = tempfile.mkstemp(prefix="hf_jobs_", suffix=".json", dir=workdir)
+    with os.fdopen(fd, "w") as f:
+        json.dump([[str(a) for a in job] for job in jobs], f)
+    cmd = [ref_python(), str(HF_REFERENCE), "batch", jobs_file]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode:
+        raise RuntimeError(f"HF reference failed ({' '.join(cmd)}: {jobs}):\n{proc.stderr[-4000:]}")
+
+
+def hf_build_job(out: Path, hf_config: dict, *, seed: int, dtype: str = "float32", max_shard_size: str | None = None,
+                 tokens: np.ndarray | None = None) -> list[str]:
+    """The ``hf_reference.py build`` job of a random HF checkpoint written with transformers'
+    save_pretrained (and, with ``tokens``, HF's float32 logits of them from the saved folder:
+    ``hf_logits``)."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_file = out.parent / f"{out.name}.config.json"
     cfg_file.write_text(json.dumps(hf_config))
-    cmd = [ref_python(), str(HF_REFERENCE), "build", "--config", str(cfg_file), "--out", str(out),
-           "--seed", str(seed), "--dtype", dtype]
+    cmd = ["build", "--config", str(cfg_file), "--out", str(out), "--seed", str(seed), "--dtype", dtype]
     if max_shard_size:
         cmd += ["--max-shard-size", max_shard_size]
     if tokens is not None:
         np.save(out.parent / f"{out.name}.tokens.npy", tokens)
         cmd += ["--tokens", str(out.parent / f"{out.name}.tokens.npy"),
                 "--logits-out", str(out.parent / f"{out.name}.logits.npy")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    if proc.returncode:
-        raise RuntimeError(f"HF reference failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
-    return None if tokens is None else np.load(out.parent / f"{out.name}.logits.npy")
+    return cmd
+
+
+def hf_logits(out: Path) -> np.ndarray:
+    """HF's logits written by the ``hf_build_job`` of ``out``."""
+    return np.load(out.parent / f"{out.name}.logits.npy")
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -143,13 +159,14 @@ HF_CASES = {
 
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
-    """name -> (folder, tokens [3, 12] int32, HF float32 logits); built once per session."""
+    """name -> (folder, tokens [3, 12] int32, HF float32 logits); built once per session, all in
+    one reference process."""
     root = tmp_path_factory.mktemp("hf")
     rng = np.random.default_rng(1234)
-    out = {}
+    tokens, jobs = {}, []
     for name, case in HF_CASES.items():
-        tokens = rng.integers(0, case["hf"]["vocab_size"], (3, 12)).astype(np.int32)
-        logits = hf_build(root / name, case["hf"], seed=case["seed"], dtype=case["dtype"],
-                          max_shard_size=case["shard"], tokens=tokens)
-        out[name] = (root / name, tokens, logits)
-    return out
+        tokens[name] = rng.integers(0, case["hf"]["vocab_size"], (3, 12)).astype(np.int32)
+        jobs.append(hf_build_job(root / name, case["hf"], seed=case["seed"], dtype=case["dtype"],
+                                 max_shard_size=case["shard"], tokens=tokens[name]))
+    hf_reference(*jobs, workdir=root)
+    return {name: (root / name, tokens[name], hf_logits(root / name)) for name in HF_CASES}

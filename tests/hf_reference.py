@@ -9,6 +9,8 @@ folder back with `from_pretrained`, so the reference sees exactly what is on dis
                                 [--tokens IN.npy --logits-out OUT.npy]   (logits of the saved folder)
   python hf_reference.py logits --model DIR --tokens IN.npy --out OUT.npy
   python hf_reference.py greedy --model DIR --prompts IN.json --max-new-tokens N --out OUT.json
+  python hf_reference.py batch JOBS.json   (a JSON list of argument lists of the commands above, run in
+                                            order in this one process: torch and transformers load once)
 """
 
 import argparse
@@ -76,7 +78,7 @@ def greedy(args):
     json.dump(out, open(args.out, "w"))
 
 
-def main():
+def parser():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
@@ -96,9 +98,29 @@ def main():
     g.add_argument("--prompts", required=True)
     g.add_argument("--max-new-tokens", type=int, required=True)
     g.add_argument("--out", required=True)
-    args = ap.parse_args()
+    bt = sub.add_parser("batch")
+    bt.add_argument("jobs")
+    return ap
+
+
+def run(args):
+    {"build": build, "logits": logits, "greedy": greedy, "batch": batch}[args.cmd](args)
+
+
+def batch(args):
+    with open(args.jobs) as f:
+        jobs = json.load(f)
+    for argv in jobs:
+        job = parser().parse_args(argv)
+        if job.cmd == "batch":
+            raise SystemExit("batch jobs cannot nest")
+        run(job)
+
+
+def main():
+    args = parser().parse_args()
     torch.set_num_threads(2)
-    {"build": build, "logits": logits, "greedy": greedy}[args.cmd](args)
+    run(args)
 
 
 if __name__ == "__main__":

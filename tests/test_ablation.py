@@ -4,6 +4,7 @@ on a tiny config, and the mismatch attribution agrees with an independent comput
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -33,9 +34,13 @@ def test_arms_differ_only_in_precision_and_correction():
 
 def _tiny_quickstart():
     q = abl.AblationConfig().quickstart
-    # one decoder layer: the compilations dominate a run this short
+    # one decoder layer: the compilations dominate a run this short; a KV pool and slot count sized
+    # for these 16-sequence rollouts (the preset's 10k-page pool is touched whole every decode step
+    # on the CPU, seconds per rollout)
     q = abl.rlconfig.override(q, ["sft_steps=10", "eval_prompts=16", "rl.data.steps=3", "rl.data.prompts_per_step=4",
-                                  "rl.data.eval_every=3", "rl.rollout.n_samples=4", "rl.model.num_layers=1"])
+                                  "rl.data.eval_every=3", "rl.rollout.n_samples=4", "rl.model.num_layers=1",
+                                  "rl.rollout.max_slots=16", "rl.rollout.prefill_batch=16",
+                                  "rl.rollout.kv_budget_gib=0.001"])
     return q
 
 
@@ -86,12 +91,18 @@ def scored():
     return cfg, params, tokens, mask, k_scale, v_scale, rows
 
 
+@functools.cache
+def _bf16_forward(cfg):
+    """The jitted BF16 logits of ``cfg`` (one compilation, shared by the three comparisons)."""
+    return jax.jit(lambda p, t: forward(p, t, config=cfg, policy=DensePolicy("bfloat16"))[0])
+
+
 def _independent(cfg, params, tokens, mask, k_scale, v_scale, *, w8a8: bool, kv: bool):
     """K1, K3 and exact KL of the FP8 scoring as ``fp8rl score --fp8 ...`` runs it (16-token pages,
     every layer), in float64 NumPy from the logits."""
     # jitted like the RL loop's trainer and engine: eager BF16 rounds after every op, a fused
     # jitted graph does not, and that alone moves these logprobs by up to 0.1
-    ref_logits = jax.jit(lambda p, t: forward(p, t, config=cfg, policy=DensePolicy("bfloat16"))[0])(params, tokens)
+    ref_logits = _bf16_forward(cfg)(params, tokens)
 
     @jax.jit
     def fp8_logits(params, tokens):

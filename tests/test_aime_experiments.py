@@ -1,23 +1,25 @@
 """The AIME24 experiments (``experiments/aime24_qwen3_8b.py``, ``..._30b_a3b.py``) on the CPU: the
-no-weights message, the tiny preset end to end (train, evaluate, checkpoint, resume) on jsonl
-files written here, a Hugging Face folder through ``--model-path``, and the AIME24 file in
-../shared/data when it is present."""
+no-weights message, the tiny preset end to end (train, evaluate, checkpoint, resume; one run shared
+by two tests) on the AIME24 file in ../shared/data when it is present, else on jsonl files written
+here, and a Hugging Face folder through ``--model-path`` on jsonl files written here."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8rl_jax.rl import config as rlconfig
 from fp8rl_jax.rl.loop import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,14 +52,6 @@ EVAL_ROWS = [{"problem": LONG.format(i=9), "answer": "42"},
 def _jsonl(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
-
-
-def _tiny_config(exp, tmp_path: Path, *extra: str):
-    cfg = exp.aime24.AimeConfig(rl=exp.TINY, random_init=True, overflow=exp.aime24.Overflow.TRUNCATE)
-    return exp.aime24.apply_overrides(cfg, [
-        f"data.train_path={_jsonl(tmp_path / 'train.jsonl', TRAIN_ROWS)}",
-        f"data.eval_path={_jsonl(tmp_path / 'eval.jsonl', EVAL_ROWS)}",
-        f"logging.out_dir={tmp_path / 'run'}", *QUIET, *extra])
 
 
 # ------------------------------------------------------------------------------------ no weights
@@ -145,33 +139,62 @@ def test_eos_ids_join_config_and_generation_config(exp8b, tmp_path):
 # ------------------------------------------------------------------------------------ tiny preset
 
 
-def test_tiny_preset_trains_evaluates_checkpoints_and_resumes(exp8b, tmp_path):
-    cfg = _tiny_config(exp8b, tmp_path)
-    out = tmp_path / "run"
-    first = exp8b.main(rlconfig.override(cfg, ["rl.data.steps=2"]))
-    rows = read_metrics(out / "metrics.jsonl")
-    train_rows = [r for r in rows if "reward/mean" in r]
-    eval_rows = [r for r in rows if "eval/accuracy" in r]
+@pytest.fixture(scope="module")
+def tiny_demo(exp8b, tmp_path_factory):
+    """``--preset tiny`` end to end through the command line, once for the module (the tiny run is
+    the expensive part of both tests below): train to the first checkpoint as if interrupted, resume
+    from it and finish (``aime24.tiny_demo``). On ../shared/data/aime24.jsonl with the preset's
+    defaults when it is present (the acceptance command), else on the jsonl files of this module.
+    Each ``main`` call's config and result are recorded with the metrics rows and summary.json it
+    left behind."""
+    tmp = tmp_path_factory.mktemp("tiny_demo")
+    out = tmp / "run"
+    argv = ["--preset", "tiny", "--out", str(out), *[a for s in QUIET for a in ("--set", s)]]
+    if AIME24.is_file():
+        n_eval = sum(1 for line in AIME24.read_text().splitlines() if line.strip())
+    else:
+        argv += ["--train-data", _jsonl(tmp / "train.jsonl", TRAIN_ROWS),
+                 "--eval-data", _jsonl(tmp / "eval.jsonl", EVAL_ROWS)]
+        n_eval = len(EVAL_ROWS)
+    aime, calls = exp8b.aime24, []
+    original = aime.main
+
+    def recorded(config):
+        result = original(config)
+        calls.append(SimpleNamespace(config=config, result=result, rows=read_metrics(out / "metrics.jsonl"),
+                                     summary=json.loads((out / "summary.json").read_text())))
+        return result
+
+    aime.main = recorded
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            rc = exp8b.cli(argv)
+    finally:
+        aime.main = original
+    return SimpleNamespace(rc=rc, out=stdout.getvalue(), err=stderr.getvalue(), calls=calls, dir=out, n_eval=n_eval)
+
+
+def test_tiny_preset_trains_evaluates_checkpoints_and_resumes(exp8b, tiny_demo):
+    assert tiny_demo.rc == 0, tiny_demo.err
+    first_call, second_call = tiny_demo.calls  # to the checkpoint at step 2, then resumed from it to step 4
+    first, second, out = first_call.result, second_call.result, tiny_demo.dir
+    train_rows = [r for r in first_call.rows if "reward/mean" in r]
+    eval_rows = [r for r in first_call.rows if "eval/accuracy" in r]
     assert [r["step"] for r in train_rows] == [1, 2] and [r["step"] for r in eval_rows] == [0, 2]
     for key in ("reward/accuracy", "mismatch/kl_k3", "rollout/tokens_per_s", "time/weight_sync_s", "train/loss"):
         assert all(r.get(key) is not None for r in train_rows), key
     assert all(0 <= r["eval/accuracy"] <= r["eval/pass_at_k"] <= 1 and r["eval/k"] == 2 for r in eval_rows)
-    assert first.summary["eval_prompts"] == 2 and first.summary["precision"] == "all"
-    assert (out / "checkpoints" / "2").is_dir() and first.summary["checkpoints"] == [2]
+    assert first.summary["eval_prompts"] == tiny_demo.n_eval and first.summary["precision"] == "all"
+    assert first.summary["checkpoints"] == [2]
     assert first.cursor["data_cursor"] == 4 and int(first.state.step) == 2
-    assert json.loads((out / "summary.json").read_text())["final_step"] == 2
+    assert first_call.summary["final_step"] == 2
 
-    # resume at the saved step: the restored state is the saved one, the cursor and the step too
-    same = exp8b.main(rlconfig.override(dataclasses.replace(cfg, resume=True), ["rl.data.steps=2"]))
-    assert same.summary["start_step"] == 2 and same.summary["steps_this_run"] == 0
-    assert same.summary["resumed_cursor"] == 4 and same.summary["resumed_state_fingerprint"] == \
-        first.summary["state_fingerprint"]
-    assert jax.tree.structure(same.state) == jax.tree.structure(first.state)
-    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), same.state, first.state)))
-
-    # resume and continue to data.steps = 4: the rows continue the file, the cursor advances
-    second = exp8b.main(dataclasses.replace(cfg, resume=True))
-    assert second.summary["start_step"] == 2 and second.summary["final_step"] == 4
+    # the resume at step 2: the restored state is the saved one, the cursor and the step too
+    assert second.summary["start_step"] == 2 and second.summary["resumed_cursor"] == 4
+    assert second.summary["resumed_state_fingerprint"] == first.summary["state_fingerprint"]
+    # ... and it continued to data.steps = 4: the rows continue the file, the cursor advances
+    assert second.summary["final_step"] == 4
     assert second.summary["steps_this_run"] == 2 and second.cursor["data_cursor"] == 8
     assert int(second.state.step) == 4 and second.summary["checkpoints"] == [2, 4]
     rows = read_metrics(out / "metrics.jsonl")
@@ -179,6 +202,16 @@ def test_tiny_preset_trains_evaluates_checkpoints_and_resumes(exp8b, tmp_path):
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 4]
     changed = jax.tree.map(lambda a, b: not bool(jnp.array_equal(a, b)), second.state.params, first.state.params)
     assert any(jax.tree.leaves(changed))
+
+    # resume at the saved step (4): nothing to train, the restored state equals the saved one leaf for leaf
+    same = exp8b.main(second_call.config)
+    assert second_call.config.resume and (out / "checkpoints" / "4").is_dir()
+    assert same.summary["start_step"] == 4 and same.summary["steps_this_run"] == 0
+    assert same.summary["resumed_cursor"] == 8 and same.summary["resumed_state_fingerprint"] == \
+        second.summary["state_fingerprint"]
+    assert jax.tree.structure(same.state) == jax.tree.structure(second.state)
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), same.state, second.state)))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3, 4]
 
 
 def test_model_path_folder_end_to_end(exp8b, tmp_path, capsys):
@@ -219,15 +252,13 @@ def test_model_path_folder_end_to_end(exp8b, tmp_path, capsys):
 
 
 @pytest.mark.skipif(not AIME24.is_file(), reason=f"{AIME24} is absent (AIME24 evaluation data, not in the repo)")
-def test_tiny_preset_on_aime24_from_shared_data(exp8b, tmp_path, capsys):
+def test_tiny_preset_on_aime24_from_shared_data(tiny_demo):
     """The acceptance command: ``--preset tiny`` with its defaults reads ../shared/data/aime24.jsonl for
-    training prompts and evaluation, checkpoints, then resumes and finishes."""
-    capsys.readouterr()
-    rc = exp8b.cli(["--preset", "tiny", "--out", str(tmp_path / "run"), *[a for s in QUIET for a in ("--set", s)]])
-    printed = capsys.readouterr()
-    assert rc == 0, printed.err
-    assert f"30 evaluation prompts from {AIME24}" in printed.out and "resume check: step 2, data cursor 4" in printed.out
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    training prompts and evaluation, checkpoints, then resumes and finishes (the ``tiny_demo`` run)."""
+    assert tiny_demo.rc == 0, tiny_demo.err
+    assert f"30 evaluation prompts from {AIME24}" in tiny_demo.out and \
+        "resume check: step 2, data cursor 4" in tiny_demo.out
+    rows = read_metrics(tiny_demo.dir / "metrics.jsonl")
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 4]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4]
     assert np.isfinite([r["mismatch/kl_k3"] for r in rows if "reward/mean" in r]).all()

@@ -23,14 +23,15 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
-    full = _run(tmp_path, "full")
-    assert full.returncode == 0, full.stderr[-2000:]
-    killed = _run(tmp_path, "cut", "--kill-after", "3")
+    # one process: the uninterrupted run (the reference, full.jsonl), then a fresh run killed after step 3
+    killed = _run(tmp_path, "cut", "--kill-after", "3", "--reference-metrics", str(tmp_path / "full.jsonl"))
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-2000:])
+    assert [r["step"] for r in _rows(tmp_path / "full.jsonl")] == [1, 2, 3, 4, 5]
     assert [r["step"] for r in _rows(tmp_path / "cut.jsonl")] == [1, 2, 3]
-    resumed = _run(tmp_path, "cut", "--resume")
+    full_checksum = json.loads(killed.stdout.splitlines()[-1])  # printed by the reference run
+    resumed = _run(tmp_path, "cut", "--resume")  # a new process, from the checkpoint of step 3
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = _rows(tmp_path / "full.jsonl"), _rows(tmp_path / "cut.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
     assert a == b  # every metric of every step, bit for bit (JSON floats round-trip exactly)
-    assert json.loads(full.stdout.splitlines()[-1]) == json.loads(resumed.stdout.splitlines()[-1])
+    assert full_checksum == json.loads(resumed.stdout.splitlines()[-1])

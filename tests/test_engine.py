@@ -4,14 +4,14 @@ under other batch compositions, page sizes and preemption."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HF_REFERENCE, ref_python
+from conftest import hf_reference
 
 from configs.models import tiny_qwen3, tiny_qwen3_moe
 from fp8rl_jax.checkpoint import load_checkpoint
@@ -29,9 +29,15 @@ def _prompts(rng, vocab, lengths):
     return [rng.integers(2, vocab, n).tolist() for n in lengths]
 
 
+@functools.cache
+def _scoring_forward(cfg):
+    """The jitted full-sequence float32 forward of ``cfg`` (one per config: every prompt shares it)."""
+    return jax.jit(lambda p, t: forward(p, t, config=cfg, policy=DensePolicy("float32"))[0])
+
+
 def _greedy_by_scoring(params, cfg, prompt, n):
     """Argmax of the full-sequence forward at every step, and its log-softmax logprob."""
-    fwd = jax.jit(lambda p, t: forward(p, t, config=cfg, policy=DensePolicy("float32"))[0])
+    fwd = _scoring_forward(cfg)
     seq, lps = list(prompt), []
     for _ in range(n):
         padded = np.zeros((1, 32), np.int32)  # one shape, one compilation; causal, so padding after is inert
@@ -58,18 +64,31 @@ def test_greedy_equals_full_scoring_argmax(cfg):
         np.testing.assert_allclose(batch.logprob_lists()[i], lps, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["dense", "moe_sharded"])
-def test_greedy_equals_transformers_generate(hf_models, tmp_path, name):
+HF_GREEDY_MODELS = ["dense", "moe_sharded"]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_models, tmp_path_factory):
+    """name -> (prompts, transformers' greedy continuations), both models in one reference process."""
+    root = tmp_path_factory.mktemp("hf_greedy")
+    prompts, jobs = {}, []
+    for name in HF_GREEDY_MODELS:
+        folder, _, _ = hf_models[name]
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        prompts[name] = _prompts(np.random.default_rng(1), vocab, [5, 11, 2])
+        (root / f"{name}.prompts.json").write_text(json.dumps(prompts[name]))
+        jobs.append(["greedy", "--model", folder, "--prompts", root / f"{name}.prompts.json", "--max-new-tokens", "8",
+                     "--out", root / f"{name}.out.json"])
+    hf_reference(*jobs, workdir=root)
+    return {name: (prompts[name], json.loads((root / f"{name}.out.json").read_text())) for name in HF_GREEDY_MODELS}
+
+
+@pytest.mark.parametrize("name", HF_GREEDY_MODELS)
+def test_greedy_equals_transformers_generate(hf_models, hf_greedy, name):
     folder, _, _ = hf_models[name]
     ckpt = load_checkpoint(folder, dtype=jnp.float32)
-    rng = np.random.default_rng(1)
-    prompts = _prompts(rng, ckpt.config.vocab_size, [5, 11, 2])
-    (tmp_path / "p.json").write_text(json.dumps(prompts))
-    proc = subprocess.run([ref_python(), str(HF_REFERENCE), "greedy", "--model", str(folder), "--prompts",
-                           str(tmp_path / "p.json"), "--max-new-tokens", "8", "--out", str(tmp_path / "o.json")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    hf = json.loads((tmp_path / "o.json").read_text())
+    prompts, hf = hf_greedy[name]
+    assert prompts == _prompts(np.random.default_rng(1), ckpt.config.vocab_size, [5, 11, 2])
     cfg = dataclasses.replace(F32, max_seq_len=ckpt.config.max_position_embeddings)
     ours = JaxEngine(ckpt.config, ckpt.params, cfg).generate(prompts, dataclasses.replace(GREEDY, max_tokens=8))
     assert ours.token_lists() == hf

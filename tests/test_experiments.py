@@ -141,7 +141,7 @@ def test_bench_rl_step_tiny(tmp_path):
     bench = _load("bench_rl_step")
     cfg = bench.parse_args(["--preset", "tiny_qwen3", "--layers", "1", "--prompts", "2", "--samples", "2",
                             "--prompt-len", "6", "--max-new", "4", "--steps", "2", "--micro-batches", "2",
-                            "--kv-gib", "0.01", "--max-slots", "4", "--arms", "all:fp8",
+                            "--kv-gib", "0.0005", "--max-slots", "4", "--arms", "all:fp8",
                             "--out", str(tmp_path / "rl.json")])
     res = bench.main(cfg, runs_dir=tmp_path / "runs")
     assert [a["arm"] for a in res["arms"]] == ["all:fp8"] and (tmp_path / "rl.json").exists()

@@ -85,7 +85,7 @@ def odd_model(tmp_path_factory):
     return root
 
 
-def test_quantize_cli_writes_the_hf_fp8_convention(odd_model, tmp_path):
+def test_quantize_cli_writes_the_hf_fp8_convention(odd_model, tmp_path, capsys):
     src, dst = odd_model / "bf16", tmp_path / "fp8"
     proc = run_cli("quantize", "--model", str(src), "--out", str(dst), "--bf16-last-layers", "1")
     assert proc.returncode == 0, proc.stderr
@@ -135,9 +135,10 @@ def test_quantize_cli_writes_the_hf_fp8_convention(odd_model, tmp_path):
     np.save(tmp_path / "in.npy", tokens)
     outs = {}
     for tag, model, mode in [("src", src, "w8a8"), ("fp8ckpt", dst, "w8a8"), ("fp8ckpt_none", dst, "none")]:
-        proc = run_cli("score", "--model", str(model), "--tokens", str(tmp_path / "in.npy"),
-                       "--out", str(tmp_path / f"{tag}.npy"), "--fp8", mode, "--dtype", "float32")
-        assert proc.returncode == 0, proc.stderr
+        # in this process (same command, no interpreter start each); quantize above ran as its own process
+        rc, err = run_cli_here(capsys, "score", "--model", str(model), "--tokens", str(tmp_path / "in.npy"),
+                               "--out", str(tmp_path / f"{tag}.npy"), "--fp8", mode, "--dtype", "float32")
+        assert rc == 0, err
         outs[tag] = np.load(tmp_path / f"{tag}.npy")
     # --bf16-last-layers 1 was only applied by quantize; score of the source quantizes every layer
     assert rel_err(outs["fp8ckpt"], outs["src"]) > 0

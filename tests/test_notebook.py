@@ -28,16 +28,26 @@ SUMMARY_KEYS = {"eval_accuracy_before_rl", "eval_accuracy_after_rl", "train_rewa
                 "rollout_tokens_per_s_mean", "weight_sync_s_mean", "rl_steps", "precision", "plot"}
 
 # Runs the code cells of argv[1] in one namespace like a kernel; dumps `summary` to argv[2].
+# Once a cell has imported the QUICKSTART preset, the runner sizes the preset's rollout engine for
+# the tiny run (16 sequences of up to 32 tokens) in the namespace: the preset's 256 slots and
+# 10k-page KV pool (kv_budget_gib 0.02) make every rollout take seconds on the CPU (each decode step
+# touches the whole pool), and no cell depends on them.
 RUNNER = r"""
-import ast, json, sys
+import ast, dataclasses, json, sys
 nb = json.load(open(sys.argv[1], encoding="utf-8"))
 ns = {"__name__": "__main__"}
 code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+sized = False
 for i, cell in enumerate(code):
     name = f"<cell {i} {cell.get('id', '')}>"
     tree = ast.parse("".join(cell["source"]), filename=name)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     exec(compile(tree, name, "exec"), ns)
+    if not sized and "QUICKSTART" in ns:
+        q = ns["QUICKSTART"]
+        ns["QUICKSTART"] = dataclasses.replace(q, rollout=dataclasses.replace(
+            q.rollout, max_slots=16, prefill_batch=16, kv_budget_gib=0.001))
+        sized = True
     if last is not None:
         value = eval(compile(ast.Expression(last.value), name, "eval"), ns)
         if value is not None:
