@@ -89,11 +89,18 @@ def _child(out_path: str) -> None:
                          "pool_spec": list(engine.cache.k_pages[0].sharding.spec),
                          "pool_devices": len(engine.cache.k_pages[0].sharding.device_set)}
 
+    from fp8rl_jax.rollout import engine as engine_mod
+
     ref = run(JaxEngine(CFG, params, base))
     for tp in (2, 4):
         mesh = make_mesh(MeshConfig(tensor=tp), jax.devices()[:tp])
         eng = JaxEngine(CFG, params, base, mesh=mesh)
+        # programs compiled by this engine's first two generates (a new mesh: new programs)
+        before = engine_mod._prefill._cache_size(), engine_mod._decode._cache_size()
         compare(f"tp{tp}", run(eng), ref, eng)
+        run(eng)
+        results[f"tp{tp}"]["compiles"] = [engine_mod._prefill._cache_size() - before[0],
+                                          engine_mod._decode._cache_size() - before[1]]
         q = eng.params["layers"][0]["self_attn"]["q_proj"]["weight"].get_value()
         o = eng.params["layers"][0]["self_attn"]["o_proj"]["weight"].get_value()
         results[f"tp{tp}"]["q_o_specs"] = [list(q.sharding.spec), list(o.sharding.spec)]
@@ -210,6 +217,10 @@ def test_generator_layout_and_pool_size(multi):
         q, o = (spec + [None] * (2 - len(spec)) for spec in multi[f"tp{tp}"]["q_o_specs"])
         assert q == ["tensor", None] and o == [None, "tensor"], multi[f"tp{tp}"]["q_o_specs"]
     assert multi["tp4"]["num_pages"] == 2 * multi["tp2"]["num_pages"] or multi["tp2"]["num_pages"] == 40
+    # one prefill program (the prompts fit one bucket, nothing is preempted) and one decode program per
+    # mesh: host inputs placed like the programs' outputs (each compiled twice before)
+    assert multi["tp2"]["preemptions"] == 0 and multi["tp2"]["compiles"] == [1, 1], multi["tp2"]
+    assert multi["tp4"]["compiles"] == [1, 1], multi["tp4"]
 
 
 def test_preemption_and_weight_sync_under_tp(multi):

@@ -141,8 +141,10 @@ class HeadSharding:
 
     @property
     def pool_spec(self) -> P:
-        """Spec of a page pool [P, page_size, K, H]."""
-        return P(None, None, self.axis, None)
+        """Spec of a page pool [P, page_size, K, H] (no trailing None: the spec XLA gives the pools a
+        program returns, so a fresh pool and a returned one are the same input sharding to jit and
+        compile one program, not two)."""
+        return P(None, None, self.axis)
 
     def per_head(self, fn, q_spec: P, n_args: int):
         """``fn(q, k_pages, v_pages, *replicated)`` run per head shard: q and the output split by

@@ -420,6 +420,9 @@ class JaxEngine:
             raise RuntimeError(f"JaxEngine.wake: the KV pool ({self.num_pages} pages, "
                                f"{self.kv_pool_bytes / 2**30:.2f} GiB) does not fit in device memory now; free "
                                f"memory (e.g. the trainer's step buffers) and call wake() again") from e
+        if self.mesh is not None:  # as the programs return them (`_put`)
+            cache = cache.replace(page_table=self._put(cache.page_table), lengths=self._put(cache.lengths),
+                                  k_scale=self._put(cache.k_scale), v_scale=self._put(cache.v_scale))
         if self._slept["k_scale"] is not None:
             cache = cache.replace(k_scale=self._slept["k_scale"], v_scale=self._slept["v_scale"])
         self.cache = cache
@@ -480,13 +483,14 @@ class JaxEngine:
         P, B = self.config.prefill_batch, self.config.max_slots
         sampling, stops, remaining = self._slot_arrays([None] * P)
         for T in buckets:  # padding rows: slot ids out of range, no token to write
-            out = _prefill(self.params, self.cache, jnp.full((P,), B, jnp.int32), jnp.zeros((P, T), jnp.int32),
-                           jnp.zeros((P,), jnp.int32), sampling, stops, remaining, **self._static)
+            out = _prefill(self.params, self.cache, *self._put((np.full((P,), B, np.int32), np.zeros((P, T), np.int32),
+                                                               np.zeros((P,), np.int32))),
+                           sampling, stops, remaining, **self._static)
             self.cache = out[3]
             done(f"prefill {P}x{T}", out)
         sampling, stops, remaining = self._slot_arrays([None] * B)
-        out = _decode(self.params, self.cache, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), sampling, stops,
-                      remaining, steps=self.config.steps_per_call, **self._static)
+        out = _decode(self.params, self.cache, *self._put((np.zeros((B,), np.int32), np.zeros((B,), bool))), sampling,
+                      stops, remaining, steps=self.config.steps_per_call, **self._static)
         self.cache = out[3]
         done(f"decode {B}x{self.config.steps_per_call}", out)
         if self.config.fp8_kv and self.config.kv_calibration is KvCalibration.INFERENCE:
@@ -690,7 +694,17 @@ class JaxEngine:
             if r is not None:
                 stops[i, : len(r.stop_ids)] = r.stop_ids
                 remaining[i] = r.sampling.max_tokens - len(r.generated)
-        return sampling, jnp.asarray(stops), jnp.asarray(remaining)
+        return self._put((sampling, stops, remaining))
+
+    def _put(self, tree: Any) -> Any:
+        """Host values (NumPy or jnp arrays, pytrees of them) as the device programs take them: on the
+        default device, or with a mesh replicated over it. With a mesh, the cache arrays the programs
+        return are mesh-placed; host inputs placed the same way keep the first call's input shardings
+        those of every later call, so each program compiles once (uncommitted host arrays compiled
+        every prefill and decode program twice on a tensor-parallel engine)."""
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, tree)
+        return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def _bucket(self, n: int) -> int:
         for b in self.config.prefill_buckets:
@@ -713,11 +727,10 @@ class JaxEngine:
             lengths[s] = 0
         sampling, stops, remaining = self._slot_arrays(reqs + [None] * (P - len(reqs)))
         # the page table only: the other slots' lengths are the device's (a decode chunk may be in flight)
-        self.cache = self.cache.replace(page_table=jnp.asarray(page_table))
+        self.cache = self.cache.replace(page_table=self._put(page_table))
         t0 = time.perf_counter()
-        tok, lp, code, self.cache, routing = _prefill(self.params, self.cache, jnp.asarray(slot_ids),
-                                                      jnp.asarray(tokens), jnp.asarray(num_new), sampling, stops,
-                                                      remaining, **self._static)
+        tok, lp, code, self.cache, routing = _prefill(self.params, self.cache, *self._put((slot_ids, tokens, num_new)),
+                                                      sampling, stops, remaining, **self._static)
         self._count(prefill_calls=1, prefill_tokens=int(num_new.sum()), prefill_s=self._completed((tok, lp, code), t0))
         tok, lp, code = np.asarray(tok), np.asarray(lp), np.asarray(code)
         routing = None if routing is None else np.asarray(routing)
@@ -763,16 +776,16 @@ class JaxEngine:
         host_active = np.array([r is not None for r in reqs])
         cont = np.array([pending is not None and r is not None and pending.reqs[s] is r
                          and pending.epochs[s] == r.epoch for s, r in enumerate(reqs)])
-        host_lengths = jnp.asarray(lengths)
+        host_lengths, host_last, host_active = self._put((np.asarray(lengths), host_last, host_active))
         if cont.any():
             dev_last, dev_active, dev_remaining = pending.state
-            c = jnp.asarray(cont)
+            c = self._put(cont)
             last, active = jnp.where(c, dev_last, host_last), jnp.where(c, dev_active, host_active)
             remaining = jnp.where(c, dev_remaining, remaining)
             cache_lengths = jnp.where(c, self.cache.lengths, host_lengths)
         else:
-            last, active, cache_lengths = jnp.asarray(host_last), jnp.asarray(host_active), host_lengths
-        self.cache = self.cache.replace(page_table=jnp.asarray(page_table), lengths=cache_lengths)
+            last, active, cache_lengths = host_last, host_active, host_lengths
+        self.cache = self.cache.replace(page_table=self._put(page_table), lengths=cache_lengths)
         t0 = time.perf_counter()
         toks, lps, codes, self.cache, routing, state = _decode(self.params, self.cache, last, active, sampling, stops,
                                                               remaining, steps=steps, **self._static)
