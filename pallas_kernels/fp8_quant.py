@@ -222,6 +222,12 @@ def quantize_weight(
     return fp8_ref.QuantizedWeight(q=q, scale_inv=s, block_size=(QBLOCK, QBLOCK))
 
 
+def _concat_part_kernel(w_ref, *refs, kernel):
+    """`_quant_kernel` on one part; ``refs`` end with the buffer's q and scale outputs (after the
+    aliased inputs of the same buffer, which it does not read)."""
+    kernel(w_ref, *refs[-2:])
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def _quantize_concat(ws: tuple, config: QuantConfig, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """The parts quantized into one ``[sum N, K]`` buffer: one kernel launch per part, each writing its
@@ -248,7 +254,7 @@ def _quantize_concat(ws: tuple, config: QuantConfig, interpret: bool) -> tuple[j
             in_specs += out_specs
             args, aliases = (w, q, s), {1: 0, 2: 1}
         q, s = pl.pallas_call(
-            (lambda kern: lambda w_ref, *refs: kern(w_ref, *refs[-2:]))(kernel),
+            functools.partial(_concat_part_kernel, kernel=kernel),
             grid=(1, pl.cdiv(n, bn), pl.cdiv(k, bk)),
             in_specs=in_specs,
             out_specs=out_specs,

@@ -369,22 +369,10 @@ def quantize_activations(
       ``(q [..., K] fp8, scale [..., ceil(K / group_size)] float32)`` with
       ``x ~= q * scale`` per group.
     """
-    gs = _check_group_size(group_size)
-    _check_enums(fmt, rounding)
     x = jnp.asarray(x)
     if x.ndim < 1:
         raise ValueError("activations must have rank >= 1 ([..., K]), got a scalar")
-    chex.assert_type(x, float)
-
-    *lead, k = x.shape
-    g = _cdiv(k, gs)
-    xf = _pad_axis(x.astype(jnp.float32), -1, g * gs).reshape(*lead, g, gs)
-    amax = jnp.max(jnp.abs(xf), axis=-1)
-    scale = _scale_from_amax(amax, fmt, rounding)
-    inv = jnp.float32(1.0) / scale
-    q = saturating_cast(xf * inv[..., None], fmt).reshape(*lead, g * gs)[..., :k]
-    chex.assert_shape(scale, (*lead, g))
-    return q, scale
+    return _quantize_groups(x, group_size, fmt, rounding, scales_t=False)
 
 
 def quantize_activations_t(
@@ -400,21 +388,32 @@ def quantize_activations_t(
     maxima are reduced from a transposed view of ``x``, so XLA can write them in that order from the
     reduction itself instead of transposing the scales in a kernel of their own after it.
     """
-    gs = _check_group_size(group_size)
-    _check_enums(fmt, rounding)
     x = jnp.asarray(x)
     if x.ndim != 2:
         raise ValueError(f"quantize_activations_t takes a matrix [M, K], got shape {x.shape}")
+    return _quantize_groups(x, group_size, fmt, rounding, scales_t=True)
+
+
+def _quantize_groups(x: jax.Array, group_size: int, fmt: Fp8Format, rounding: ScaleRounding,
+                     scales_t: bool) -> tuple[jax.Array, jax.Array]:
+    """The math of `quantize_activations`; ``scales_t`` (a matrix only): the group maxima reduced from
+    the transposed view, the scales returned ``[G, M]``."""
+    gs = _check_group_size(group_size)
+    _check_enums(fmt, rounding)
     chex.assert_type(x, float)
-    m, k = x.shape
+    *lead, k = x.shape
     g = _cdiv(k, gs)
-    xf = _pad_axis(x.astype(jnp.float32), -1, g * gs).reshape(m, g, gs)
-    amax_t = jnp.max(jnp.abs(jnp.swapaxes(xf, 0, 1)), axis=-1)  # [G, M]
-    scale_t = _scale_from_amax(amax_t, fmt, rounding)
-    inv_t = jnp.float32(1.0) / scale_t
-    q = saturating_cast(xf * inv_t.T[..., None], fmt).reshape(m, g * gs)[:, :k]
-    chex.assert_shape(scale_t, (g, m))
-    return q, scale_t
+    xf = _pad_axis(x.astype(jnp.float32), -1, g * gs).reshape(*lead, g, gs)
+    if scales_t:
+        scale = _scale_from_amax(jnp.max(jnp.abs(jnp.swapaxes(xf, 0, 1)), axis=-1), fmt, rounding)  # [G, M]
+        inv = (jnp.float32(1.0) / scale).T
+        chex.assert_shape(scale, (g, *lead))
+    else:
+        scale = _scale_from_amax(jnp.max(jnp.abs(xf), axis=-1), fmt, rounding)
+        inv = jnp.float32(1.0) / scale
+        chex.assert_shape(scale, (*lead, g))
+    q = saturating_cast(xf * inv[..., None], fmt).reshape(*lead, g * gs)[..., :k]
+    return q, scale
 
 
 def dequantize_activations(
