@@ -19,8 +19,11 @@ from fp8rl_jax.rl.trainer import LossConfig, OptimizerConfig
 QUICKSTART = RLConfig(
     model=dataclasses.replace(tiny_qwen3, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2,
                               head_dim=32, max_position_embeddings=64),
+    # KV pool: 4 MiB, 1024 BF16 / 2048 FP8 pages of 8 tokens: all 256 slots at full length (32 tokens) in
+    # either precision. A larger pool would only slow the CPU decode (XLA's CPU backend upcasts an FP8
+    # pool's scatter, so each FP8 decode step costs time in proportion to the whole pool)
     rollout=RolloutConfig(n_samples=8, temperature=1.0, max_new_tokens=5, max_seq_len=32, max_slots=256,
-                          page_size=8, kv_budget_gib=0.02, steps_per_call=5, prefill_batch=256),
+                          page_size=8, kv_budget_gib=0.004, steps_per_call=5, prefill_batch=256),
     algorithm=AlgorithmConfig(loss=LossConfig(clip_low=0.2, clip_high=0.28, agg=LossAgg.TOKEN_MEAN,
                                               correction=Correction.TOKEN_TIS, tis_cap=2.0)),
     optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0),

@@ -143,12 +143,14 @@ class AimeConfig:
 def tiny_preset(base: rlconfig.RLConfig, model: ModelConfig, out_dir: str) -> rlconfig.RLConfig:
     """``base``'s recipe (loss, correction, FP8 rollout) on a tiny model and a CPU-sized run: 2
     prompts x 2 samples, 8 new tokens, 192-token sequences, 4 steps, evaluation (2 samples per
-    problem) and a checkpoint every 2 steps. The vocabulary is set from the tokenizer at run time."""
+    problem) and a checkpoint every 2 steps. The KV pool (1 MiB: 256 BF16 / 512 FP8 pages of 16 tokens)
+    holds all 16 slots at full length; a larger one would only slow the CPU's FP8 decode, whose cost
+    grows with the pool. The vocabulary is set from the tokenizer at run time."""
     return dataclasses.replace(
         base,
         model=dataclasses.replace(model, max_position_embeddings=256),
         rollout=dataclasses.replace(base.rollout, n_samples=2, max_new_tokens=8, max_seq_len=192, max_slots=16,
-                                    page_size=16, kv_budget_gib=0.004, steps_per_call=8, prefill_batch=16),
+                                    page_size=16, kv_budget_gib=0.001, steps_per_call=8, prefill_batch=16),
         optimizer=dataclasses.replace(base.optimizer, lr=1e-4, warmup_steps=0),
         trainer=rlconfig.TrainConfig(),
         data=rlconfig.DataConfig(prompts_per_step=2, steps=4, eval_every=2, eval_samples=2),

@@ -232,7 +232,7 @@ def test_model_path_folder_end_to_end(exp8b, tmp_path, capsys):
     train = _jsonl(tmp_path / "train.jsonl", TRAIN_ROWS)
     out = tmp_path / "run"
     sizes = ["trainer.micro_batches=1", "trainer.remat=false", "rollout.n_samples=2", "rollout.max_new_tokens=8",
-             "rollout.max_seq_len=192", "rollout.max_slots=16", "rollout.kv_budget_gib=0.004",
+             "rollout.max_seq_len=192", "rollout.max_slots=16", "rollout.kv_budget_gib=0.001",
              "rollout.steps_per_call=8", "rollout.prefill_batch=16", "optimizer.lr=1e-4", "optimizer.warmup_steps=0",
              "data.prompts_per_step=2", "data.steps=1", "data.eval_every=1", "data.eval_samples=2",
              "logging.checkpoint_every=1", "overflow=truncate", *QUIET]

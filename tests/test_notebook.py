@@ -30,8 +30,8 @@ SUMMARY_KEYS = {"eval_accuracy_before_rl", "eval_accuracy_after_rl", "train_rewa
 # Runs the code cells of argv[1] in one namespace like a kernel; dumps `summary` to argv[2].
 # Once a cell has imported the QUICKSTART preset, the runner sizes the preset's rollout engine for
 # the tiny run (16 sequences of up to 32 tokens) in the namespace: the preset's 256 slots and
-# 10k-page KV pool (kv_budget_gib 0.02) make every rollout take seconds on the CPU (each decode step
-# touches the whole pool), and no cell depends on them.
+# 2k-page FP8 KV pool make every rollout take longer on the CPU (each FP8 decode step touches the
+# whole pool there), and no cell depends on them.
 RUNNER = r"""
 import ast, dataclasses, json, sys
 nb = json.load(open(sys.argv[1], encoding="utf-8"))

@@ -399,14 +399,20 @@ def abstract_params(config: ModelConfig, param_dtype: Any = jnp.bfloat16) -> nnx
     return _graphdef_and_abstract(config, DensePolicy(), jnp.dtype(param_dtype).name)[1]
 
 
-def init_params(config: ModelConfig, key: jax.Array, param_dtype: Any = jnp.bfloat16) -> nnx.State:
-    """Random parameters (HF's init: normal(0, 0.02) weights, ones for norms)."""
+@functools.lru_cache(maxsize=64)
+def _init_fn(config: ModelConfig, param_dtype: str):
+    """One jitted initializer per (config, dtype): a fresh closure per call would recompile each time."""
 
     @jax.jit
-    def make(key):
-        return nnx.state(Qwen3(config, param_dtype=param_dtype, rngs=nnx.Rngs(params=key)), nnx.Param)
+    def init(key):
+        return nnx.state(Qwen3(config, param_dtype=jnp.dtype(param_dtype), rngs=nnx.Rngs(params=key)), nnx.Param)
 
-    return make(key)
+    return init
+
+
+def init_params(config: ModelConfig, key: jax.Array, param_dtype: Any = jnp.bfloat16) -> nnx.State:
+    """Random parameters (HF's init: normal(0, 0.02) weights, ones for norms)."""
+    return _init_fn(config, jnp.dtype(param_dtype).name)(key)
 
 
 def bind(params: nnx.State, config: ModelConfig, policy: MatmulPolicy = DensePolicy()) -> Qwen3:

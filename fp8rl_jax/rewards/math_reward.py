@@ -41,34 +41,43 @@ Design choices, and why
   list {100, 200} (MATH writes ``58,500`` for 58500). A tuple answer
   ``(1,2)`` is an open interval to math-verify; it still equals ``(1,2)`` but
   not ``(2,1)``.
-* **Never raise, never hang.** math-verify's own timeouts
-  (``parsing_timeout``, ``timeout_seconds``) bound each parse and comparison;
-  any exception, including math-verify's ``TimeoutException`` (a
-  ``BaseException``), is a 0.0. Answers longer than ``MAX_ANSWER_CHARS`` are
+* **Never raise, never hang.** A deadline of our own bounds each math-verify
+  parse and comparison (``PARSE_TIMEOUT_S``, ``VERIFY_TIMEOUT_S``); any
+  exception, including the deadline's ``TimeoutException`` (a
+  ``BaseException``), is a 0.0. The deadline is a ``SIGALRM`` timer that
+  keeps firing every ``DEADLINE_RETRY_S`` until the call returns, rather than
+  math-verify's one-shot ``signal.alarm``: a signal handled inside a garbage
+  collection callback (JAX registers one) has its exception swallowed, and
+  with a one-shot alarm the parse then ran on unbounded (7.9 s in a CI run
+  against a 2 s limit). Answers longer than ``MAX_ANSWER_CHARS`` are
   compared verbatim (real answers are < 100 chars; long ones are garbage, and
   this keeps every later step bounded in cost). Worst case
   is about ``2 * PARSE_TIMEOUT_S + VERIFY_TIMEOUT_S`` seconds per call.
-* **Threads:** math-verify implements its timeouts with ``SIGALRM``, which only
+* **Threads:** the deadline is a ``SIGALRM`` timer, which only
   works in the main thread. Off the main thread we call it with timeouts
   disabled rather than failing (which would silently zero every reward), so a
   pathological expression can then block that thread. Score in the main
-  thread or in worker *processes*. Note too that ``SIGALRM`` replaces any alarm
-  the caller had armed.
+  thread or in worker *processes*. Note too that the deadline replaces any
+  ``SIGALRM`` timer the caller had armed.
 """
 
 import functools
 import re
+import signal
 import threading
-from typing import Final
+from typing import Any, Callable, Final, TypeVar
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
 
-PARSE_TIMEOUT_S: Final[int] = 2
-"""Seconds math-verify may spend parsing one answer (its ``parsing_timeout``; whole seconds)."""
+PARSE_TIMEOUT_S: Final[float] = 2.0
+"""Seconds math-verify may spend parsing one answer."""
 
-VERIFY_TIMEOUT_S: Final[int] = 2
-"""Seconds math-verify may spend on one gold/prediction comparison (its ``timeout_seconds``)."""
+VERIFY_TIMEOUT_S: Final[float] = 2.0
+"""Seconds math-verify may spend on one gold/prediction comparison."""
+
+DEADLINE_RETRY_S: Final[float] = 0.2
+"""After a deadline passes, its timeout is raised again this often until the call returns."""
 
 MAX_ANSWER_CHARS: Final[int] = 512
 """Extracted answers longer than this are compared verbatim only (no normalization, no math-verify)."""
@@ -266,9 +275,36 @@ def _is_number(normalized: str) -> bool:
     return _NUMBER_RE.fullmatch(normalized) is not None
 
 
-def _math_verify_timeout(seconds: int) -> int | None:
-    """math-verify's SIGALRM timeouts can only be armed in the main thread."""
-    return seconds if threading.current_thread() is threading.main_thread() else None
+_T = TypeVar("_T")
+
+
+def call_with_deadline(seconds: float, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)``, raising ``TimeoutException`` inside it once ``seconds`` have passed.
+
+    In the main thread only (``SIGALRM``); elsewhere ``fn`` runs unbounded. The
+    timeout is raised again every ``DEADLINE_RETRY_S`` until ``fn`` returns, so
+    an exception swallowed on the way (a signal handled in a gc callback, a
+    broad ``except`` in sympy) does not disarm the deadline. A tick that finds
+    this call no longer on the stack (it returned between the tick and the
+    disarm) disarms the timer instead of raising.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args, **kwargs)
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        while frame is not None:
+            if frame.f_code is call_with_deadline.__code__:
+                raise TimeoutException(f"Operation timed out after {seconds} s")
+            frame = frame.f_back
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds, DEADLINE_RETRY_S)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class _Unparsed(Exception):
@@ -278,10 +314,12 @@ class _Unparsed(Exception):
 @functools.lru_cache(maxsize=8192)
 def _parse_cached(answer: str) -> tuple:
     parsed = tuple(
-        parse(
+        call_with_deadline(
+            PARSE_TIMEOUT_S,
+            parse,
             f"${answer}$",
             extraction_config=_MATH_VERIFY_CONFIG,
-            parsing_timeout=_math_verify_timeout(PARSE_TIMEOUT_S),
+            parsing_timeout=None,  # our deadline, not math-verify's one-shot alarm
         )
     )
     if not parsed:
@@ -309,10 +347,12 @@ def math_verify_equal(gold: str, prediction: str) -> bool:
         if not gold_parsed or not prediction_parsed:
             return False
         return bool(
-            verify(
+            call_with_deadline(
+                VERIFY_TIMEOUT_S,
+                verify,
                 list(gold_parsed),
                 list(prediction_parsed),
-                timeout_seconds=_math_verify_timeout(VERIFY_TIMEOUT_S),
+                timeout_seconds=None,  # our deadline, not math-verify's one-shot alarm
             )
         )
     except (Exception, TimeoutException):

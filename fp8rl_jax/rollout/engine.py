@@ -253,16 +253,8 @@ class JaxEngine:
         if self.fused and mesh is not None:
             raise ValueError("EngineConfig.fuse_projections is for one device: tensor parallelism splits q/k/v by "
                              "heads, not their concatenation")
-        quantize = functools.partial(quantize_params, config=model_config, layer_policy=LayerPolicy(block_size=block))
         # the trainer's params -> the generator's layout: FP8 quantization and/or fusion (None: as given)
-        if fp8 and self.fused:  # the fused parts quantized straight into their concatenation (no copy)
-            concat = functools.partial(quantizing_concat, config=model_config,
-                                       layer_policy=LayerPolicy(block_size=block))
-            self._prepare = jax.jit(lambda p: quantize(fuse_params(p, concat=concat)))
-        elif fp8:
-            self._prepare = jax.jit(quantize)
-        else:
-            self._prepare = jax.jit(fuse_params) if self.fused else None
+        self._prepare = _prepare_fn(model_config, block, fp8, self.fused)
         self._sharded_quantize = None  # with a mesh: _prepare (quantization only) jitted to the generator's layout
         self._reshard = None  # with a mesh: (params key, shardings, jitted reshard into the generator's layout)
         self.reshard_path = ""  # with a mesh: how the last update moved the params ("jit" or "device_put")
@@ -918,6 +910,20 @@ def _forward(params, tokens, *, model_config, policy, cache, num_new, record_rou
         return forward_with_routing(params, tokens, **kw)
     logits, cache = forward(params, tokens, **kw)
     return logits, cache, None
+
+
+@functools.lru_cache(maxsize=32)
+def _prepare_fn(model_config: ModelConfig, block: tuple[int, int], fp8: bool, fused: bool):
+    """The trainer's params -> the generator's layout (FP8 quantization and/or projection fusion),
+    jitted once per setting and shared by engines (None: params are used as given)."""
+    layer_policy = LayerPolicy(block_size=block)
+    quantize = functools.partial(quantize_params, config=model_config, layer_policy=layer_policy)
+    if fp8 and fused:  # the fused parts quantized straight into their concatenation (no copy)
+        concat = functools.partial(quantizing_concat, config=model_config, layer_policy=layer_policy)
+        return jax.jit(lambda p: quantize(fuse_params(p, concat=concat)))
+    if fp8:
+        return jax.jit(quantize)
+    return jax.jit(fuse_params) if fused else None
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "policy", "max_seq_len", "record_routing"),
