@@ -1,4 +1,6 @@
-"""Offline codegen inspection of the Pallas (Triton) paged-attention decode kernel for sm_90 (no GPU).
+"""Offline codegen inspection of Pallas (Triton) kernels for sm_90 (no GPU): the paged-attention decode
+kernel (default) or, with ``--kernel grouped_gemm``, the FP8 MoE grouped GEMM at a Qwen3-30B-A3B expert
+shape (``--gg-configs block_m,block_n,warps,stages[,swap]``; whether the K loop runs wgmma or mma.sync).
 
 Two halves, run by two interpreters (jax's XLA bundles its own Triton; the `triton` wheel is only
 needed for the offline compile):
@@ -79,6 +81,45 @@ def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int, dot_dt
             name += f"_kh{kh}" if kh > 1 else ""
             (out / f"{name}.ttir").write_text(captured[0])
             jobs.append({"name": name, "num_warps": w, "num_stages": st})
+    return jobs
+
+
+def dump_grouped_gemm(out: Path, configs: list[str], tokens: int, n: int, k: int) -> list[dict]:
+    """TTIR of `fp8_grouped_gemm` per config ``bm,bn,warps,stages[,swap]`` at M = tokens * 8, 128
+    experts, [N, K] expert weights."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import gpu_info, lowering
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    from pallas_kernels import fp8_grouped_gemm as gg
+
+    reg.gpu_info_lib.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    captured = []
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        res = orig(*a, **kw)
+        captured.append(res.module.operation.get_asm(enable_debug_info=False))
+        return res
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    S = jax.ShapeDtypeStruct
+    m, e, kb = tokens * gg.BENCH_TOP_K, gg.BENCH_E, -(-k // 128)
+    args = (S((m, k), jnp.float8_e4m3fn), S((m, kb), jnp.float32), S((e, n, k), jnp.float8_e4m3fn),
+            S((e, -(-n // 128), kb), jnp.float32), S((e,), jnp.int32))
+    jobs = []
+    for spec in configs:
+        f = spec.split(",")
+        bm, bn, w, st = (int(x) for x in f[:4])
+        swap = len(f) > 4 and f[4] in ("swap", "1", "true")
+        cfg = gg.GroupedGemmConfig(bm, bn, w, st, swap_ab=swap)
+        captured.clear()
+        gg._fp8_grouped_gemm.trace(*args, jnp.dtype(jnp.bfloat16), cfg, False).lower(lowering_platforms=("cuda",))
+        assert len(captured) == 1, len(captured)
+        name = f"gg_n{n}_k{k}_bm{bm}_bn{bn}_w{w}_s{st}{'_swap' if swap else ''}"
+        (out / f"{name}.ttir").write_text(captured[0])
+        jobs.append({"name": name, "num_warps": w, "num_stages": st})
     return jobs
 
 
@@ -196,14 +237,22 @@ def main(argv=None) -> int:
     p.add_argument("--word-gather", action="store_true",
                    help="fp8_word_gather=True (FP8 pools with float16 dots: uint32 words split into byte planes)")
     p.add_argument("--kv-heads", type=int, nargs="*", default=[1], help="kv_heads_per_program of the configs")
+    p.add_argument("--kernel", choices=("paged_attention", "grouped_gemm"), default="paged_attention")
+    p.add_argument("--gg-configs", nargs="*", default=["16,64,4,4", "64,128,4,3", "16,64,4,4,swap", "16,128,4,4,swap"],
+                   help="grouped_gemm: block_m,block_n,num_warps,num_stages[,swap] per config")
+    p.add_argument("--gg-shape", type=int, nargs=3, default=[256, 768, 2048], metavar=("TOKENS", "N", "K"),
+                   help="grouped_gemm: tokens (M = 8 x tokens), expert N, K")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=2048)
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.phase in ("all", "dump"):
-        jobs = dump(out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context, a.dot_dtypes, a.word_gather,
-                    a.kv_heads)
+        if a.kernel == "grouped_gemm":
+            jobs = dump_grouped_gemm(out, a.gg_configs, *a.gg_shape)
+        else:
+            jobs = dump(out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context, a.dot_dtypes, a.word_gather,
+                        a.kv_heads)
         (out / "jobs.json").write_text(json.dumps(jobs))
     if a.phase == "all":
         env = dict(os.environ, PYTHONPATH="")

@@ -17,6 +17,58 @@ from pathlib import Path
 import jax
 
 
+_FP8_WGMMA: bool | None = None
+
+
+def enable_fp8_wgmma() -> bool:
+    """Lets Triton run the Pallas kernels' FP8 x FP8 -> float32 dots on Hopper's wgmma; idempotent.
+
+    Triton's Hopper matmul pass takes wgmma (MMAv3) for FP8 operands with a float32 result only
+    if the dot allows imprecise accumulation (``maxNumImpreciseAcc`` >= 32); otherwise it falls
+    back to Ampere-style ``mma.sync`` on operands converted to float16 in registers (ALU work
+    per loaded byte, no asynchronous MMA). Pallas' Triton lowering (jax 0.11) builds every
+    ``tt.dot`` without the attribute, so every FP8 dot of our Triton kernels ran the fallback
+    (offline sm_90 codegen, ``experiments/inspect_triton_codegen.py --kernel grouped_gemm``).
+    This wraps the lowering's ``tt.dot`` builder: a dot of FP8 operands gets
+    ``maxNumImpreciseAcc = K``, its own contraction length. Our kernels contract one 128-wide
+    scale block per dot into a fresh accumulator and add the scaled result in float32 outside
+    the MMA, so the tensor core's reduced-precision accumulation spans 128 products, the
+    promotion interval of DeepSeek-V3 / cuBLAS block FP8 (tested against the float64 reference
+    with the GPU tolerance). Other dots are untouched. ``FP8RL_TRITON_FP8_MMAV2=1`` keeps the
+    fallback (A/B timing); returns whether the wrapper is installed (False also when this JAX's
+    lowering does not have the expected shape)."""
+    global _FP8_WGMMA
+    if _FP8_WGMMA is not None:
+        return _FP8_WGMMA
+    import inspect
+    import os
+
+    _FP8_WGMMA = False
+    if os.environ.get("FP8RL_TRITON_FP8_MMAV2", "") not in ("", "0"):
+        return False
+    try:
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas.triton import lowering
+        dialect = lowering.tt_dialect
+        original = dialect.dot
+        if "max_num_imprecise_acc" not in inspect.signature(original).parameters:
+            return False
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+
+    def dot(a, b, c, *, max_num_imprecise_acc=None, **kwargs):
+        if max_num_imprecise_acc is None:
+            a_type = ir.RankedTensorType(a.type)
+            if str(a_type.element_type) in ("f8E4M3FN", "f8E5M2"):
+                max_num_imprecise_acc = a_type.shape[-1]
+        return original(a, b, c, max_num_imprecise_acc=max_num_imprecise_acc, **kwargs)
+
+    dot.__wrapped__ = original
+    dialect.dot = dot
+    _FP8_WGMMA = True
+    return True
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """None: native on a GPU backend, interpret mode elsewhere; a bool forces it."""
     if interpret is None:
@@ -183,6 +235,15 @@ def tuning_entries(path: Path, kind: str) -> list[dict]:
     if not path.exists():
         return []
     return [e for e in json.loads(path.read_text()).get("entries", []) if e.get("device_kind") == kind]
+
+
+def merged_tuning(path: Path, entries: list[dict]) -> list[dict]:
+    """The tuning table at ``path`` with ``entries`` replacing those of the same (device kind, M
+    bucket, N, K); entries of other shapes and device kinds are kept."""
+    key = lambda e: (e["device_kind"], int(e["m_bucket"]), int(e["n"]), int(e["k"]))  # noqa: E731
+    new = {key(e) for e in entries}
+    old = json.loads(path.read_text()).get("entries", []) if path.exists() else []
+    return [e for e in old if key(e) not in new] + list(entries)
 
 
 def write_tuning(path, entries: list[dict]) -> None:

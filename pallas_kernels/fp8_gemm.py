@@ -35,9 +35,12 @@ aligned shapes run unmasked. No operand is padded or copied.
 
 Deviations / limits: E4M3 only; output bf16, f16 or f32. The Triton FP8 dot's
 in-tensor-core accumulation precision is the hardware's (Hopper's FP8 wgmma
-accumulates with reduced precision; see the GPU tolerance in the tests). The
-Pallas Triton backend is deprecated upstream in favour of Mosaic GPU; a
-wgmma/TMA Mosaic variant is future work.
+accumulates with reduced precision; see the GPU tolerance in the tests). Until
+session 12 the dots ran Triton's float16 ``mma.sync`` fallback, not wgmma (jax's
+lowering leaves out ``maxNumImpreciseAcc``; `pallas_kernels.common.enable_fp8_wgmma`
+now sets it, and tiles of ``block_m >= 64`` run wgmma). The Pallas Triton
+backend is deprecated upstream in favour of Mosaic GPU: `fp8_gemm_mgpu` is the
+wgmma/TMA variant, cuBLASLt the H200 default of the policy.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from fp8rl_jax.quant.fp8 import codes_to_float32
-from pallas_kernels.common import median_ms, resolve_interpret, write_results
+from pallas_kernels.common import enable_fp8_wgmma, median_ms, resolve_interpret, write_results
+
+enable_fp8_wgmma()  # FP8 dots on wgmma, not the float16 mma.sync fallback (see its note)
 from jax.experimental.pallas import triton as plgpu
 
 BK = 128  # K block = scale group width

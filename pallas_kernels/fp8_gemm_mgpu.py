@@ -102,7 +102,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import device_kind, m_bucket, replay_ms, tuning_entries, write_results, write_tuning
+from pallas_kernels.common import (device_kind, m_bucket, merged_tuning, replay_ms, tuning_entries, write_results,
+                                   write_tuning)
 from pallas_kernels.fp8_gemm import BK, _check_operands, fp8_gemm_reference
 
 __all__ = [
@@ -261,15 +262,6 @@ OVERLAP_CONFIGS = (
 # Measured tuning (``main --tuning-out``): per device kind, the fastest config of each (M bucket, N,
 # K) timed on it. `default_config` uses an entry only on the device kind it was measured on.
 TUNING_FILE = Path(__file__).with_name("fp8_gemm_mgpu_tuning.json")
-
-
-def merged_tuning(path: Path, entries: list[dict]) -> list[dict]:
-    """The tuning table at ``path`` with ``entries`` replacing those of the same (device kind, M
-    bucket, N, K); entries of other shapes and device kinds are kept."""
-    key = lambda e: (e["device_kind"], int(e["m_bucket"]), int(e["n"]), int(e["k"]))  # noqa: E731
-    new = {key(e) for e in entries}
-    old = json.loads(path.read_text()).get("entries", []) if path.exists() else []
-    return [e for e in old if key(e) not in new] + list(entries)
 
 
 _device_kind = device_kind  # module-level: the tests stand in another device kind

@@ -63,11 +63,20 @@ groups are cut at M (the caller's contract is sum <= M).
 Unscaled twin: `grouped_gemm` (BF16 or F32 operands, no scales) runs the same work items, grid
 and K loop with plain float32-accumulated dots: the generator's BF16 MoE experts.
 
-Deviations / limits: E4M3 only; out bf16, f16 or f32; the Triton FP8 dot's
-in-tensor-core accumulation is the hardware's (reduced precision on Hopper,
-see the GPU tolerance in the tests). No TMA / wgmma pipelining (the Mosaic
-GPU variant of `fp8_gemm_mgpu` is the way there); no persistent grid, so
-up to E padding programs per N tile start and exit at once.
+MMA (offline sm_90 codegen, ``experiments/inspect_triton_codegen.py --kernel
+grouped_gemm``): with `pallas_kernels.common.enable_fp8_wgmma` (installed at
+import) Triton runs each FP8 dot on wgmma when the dot's M side is a multiple
+of 64: ``block_m >= 64``, or ``swap_ab`` with ``block_n >= 64`` (m64n16k32 for
+16 token rows). Smaller M sides stay on Ampere-style ``mma.sync`` over
+operands converted to float16 in registers, which is what every config ran
+before session 12 (jax's lowering builds ``tt.dot`` without
+``maxNumImpreciseAcc``, and Triton then refuses wgmma for FP8 -> float32).
+
+Deviations / limits: E4M3 only; out bf16, f16 or f32; the tensor core's
+accumulation within one 128-wide K block is the hardware's (reduced
+precision on Hopper's wgmma, see the GPU tolerance in the tests); the blocks
+are summed in float32 outside the MMA. Loads are cp.async, not TMA; no
+persistent grid, so up to E padding programs per N tile start and exit at once.
 """
 
 from __future__ import annotations
@@ -79,13 +88,17 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import resolve_interpret, run_environment
+from pallas_kernels.common import (device_kind, enable_fp8_wgmma, m_bucket, merged_tuning, resolve_interpret,
+                                   run_environment, tuning_entries, write_tuning)
+
+enable_fp8_wgmma()  # FP8 dots on wgmma, not the float16 mma.sync fallback (see its note)
 
 BK = 128  # K block = scale group width
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -106,6 +119,13 @@ class GroupedGemmConfig:
       n_fastest: launch order. True: the N tiles of one work item are consecutive programs
         (its A tile is reused from L2 across them, and the next item of the same group finds the
         expert's weight in L2); False: the work items of one N tile are consecutive.
+      swap_ab: compute each tile transposed, ``out^T = B_tile @ A_tile^T`` ([block_n, block_m]),
+        and store it back transposed. The weight's rows become the MMA's M side, so a decode-size
+        tile (16 rows of tokens) still fills Hopper's 64-row wgmma (Triton falls back to the
+        Ampere-style mma.sync for a 16-row M side); the usual small-M trick of CUTLASS and
+        DeepGEMM MoE kernels. With FP8 operands ``block_n`` must divide 128: the tile then lies in
+        one 128-row scale block, whose one scale per K step is read from ``b_scale_inv`` as is (no
+        per-row expansion of the scales on every call).
     """
 
     block_m: int = 64
@@ -113,6 +133,7 @@ class GroupedGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     n_fastest: bool = True
+    swap_ab: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -123,8 +144,9 @@ class GroupedGemmConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"GroupedGemmConfig.{name} must be a positive int, got {v!r}")
-        if not isinstance(self.n_fastest, bool):
-            raise ValueError(f"GroupedGemmConfig.n_fastest must be a bool, got {self.n_fastest!r}")
+        for name in ("n_fastest", "swap_ab"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GroupedGemmConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 DEFAULT_CONFIG = GroupedGemmConfig()
@@ -137,7 +159,31 @@ SWEEP_CONFIGS = (
     GroupedGemmConfig(128, 128, 8, 3),
     GroupedGemmConfig(128, 256, 8, 3),
     GroupedGemmConfig(128, 128, 8, 3, n_fastest=False),
+    # swap_ab (decode sizes: a few rows per expert on the wgmma's N side)
+    GroupedGemmConfig(16, 64, 4, 4, swap_ab=True),
+    GroupedGemmConfig(16, 128, 4, 4, swap_ab=True),
+    GroupedGemmConfig(32, 128, 4, 4, swap_ab=True),
+    GroupedGemmConfig(16, 128, 4, 6, swap_ab=True),
 )
+
+
+# Measured tuning (``main --tuning-out``): per device kind, the fastest config of each (M bucket, N,
+# K) timed on it; `default_config` uses an entry only on the device kind it was measured on.
+TUNING_FILE = Path(__file__).with_name("fp8_grouped_gemm_tuning.json")
+_device_kind = device_kind  # module-level: the tests stand in another device kind
+
+
+@functools.cache
+def _tuning(kind: str) -> dict[tuple[int, int, int], GroupedGemmConfig]:
+    return {(int(e["m_bucket"]), int(e["n"]), int(e["k"])): GroupedGemmConfig(**e["config"])
+            for e in tuning_entries(TUNING_FILE, kind)}
+
+
+def default_config(m: int, n: int, k: int) -> GroupedGemmConfig:
+    """The measured best for this (M bucket, N, K) on this device kind (`TUNING_FILE`), else
+    `DEFAULT_CONFIG`."""
+    tuned = _tuning(_device_kind()).get((m_bucket(m), n, k))
+    return tuned if tuned is not None and (not tuned.swap_ab or BK % tuned.block_n == 0) else DEFAULT_CONFIG
 
 
 def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
@@ -182,10 +228,11 @@ def work_items(group_sizes: jax.Array, m: int, block_m: int, k_steps: int) -> ja
 
 
 def _grouped_kernel(meta_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
-                    block_m: int, n_fastest: bool):
-    """Refs: meta [5, W]; a [M, Kp]; as [kb, M]; b [E, BN, Kp]; bs [E, kb, BN]; o [M, BN]. Without
-    scales (``as_ref`` and ``bs_ref`` None: `grouped_gemm`, BF16/F32 operands) the K blocks are
-    plain dots accumulated in float32."""
+                    block_m: int, n_fastest: bool, swap_ab: bool = False):
+    """Refs: meta [5, W]; a [M, Kp]; as [kb, M]; b [E, BN, Kp]; bs [E, kb, BN] (``swap_ab``: the
+    unexpanded ``b_scale_inv [E, ceil(N/128), kb]``); o [M, BN]. Without scales (``as_ref`` and
+    ``bs_ref`` None: `grouped_gemm`, BF16/F32 operands) the K blocks are plain dots accumulated in
+    float32. ``swap_ab``: the accumulator is the tile transposed, [BN, block_m]."""
     block_n = o_ref.shape[1]
     scaled = as_ref is not None
     i, j = (pl.program_id(1), pl.program_id(0)) if n_fastest else (pl.program_id(0), pl.program_id(1))
@@ -213,14 +260,22 @@ def _grouped_kernel(meta_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n:
         a = load(a_ref.at[pl.ds(row0, block_m), kk], am)
         b = load(b_ref.at[g, :, kk], bm)
         prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None  # float32: IEEE, not TF32
-        d = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+        lhs, rhs = (b, a) if swap_ab else (a, b)
+        d = jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), precision=prec,
+                                preferred_element_type=jnp.float32)
         if not scaled:
             return acc + d
         sa = load(as_ref.at[t, pl.ds(row0, block_m)], row_ok if mask_m else None)
+        if swap_ab:  # the tile's rows of B lie in one 128-row scale block: one scale per K step
+            sb = bs_ref[g, (j * block_n) // BK, t]
+            return acc + (d * sa[None, :]) * sb
         sb = load(bs_ref.at[g, t, :], col_ok if mask_n else None)
         return acc + (d * sa[:, None]) * sb[None, :]
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+    shape = (block_n, block_m) if swap_ab else (block_m, block_n)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32))
+    if swap_ab:
+        acc = acc.T
     keep = (rows >= lo) & (rows < hi)
     if mask_n:
         keep = keep[:, None] & col_ok[None, :]
@@ -243,7 +298,8 @@ def _grouped_call(a, b, group_sizes, scales, out_dtype, config: GroupedGemmConfi
     meta_spec = pl.BlockSpec((5, w), order(lambda i, j: (0, 0)))
     a_spec = pl.BlockSpec((m, kb * BK), order(lambda i, j: (0, 0)))
     b_spec = pl.BlockSpec((e, bn, kb * BK), order(lambda i, j: (0, j, 0)))
-    body = functools.partial(_grouped_kernel, m=m, n=n, k=k, block_m=bm, n_fastest=config.n_fastest)
+    body = functools.partial(_grouped_kernel, m=m, n=n, k=k, block_m=bm, n_fastest=config.n_fastest,
+                             swap_ab=config.swap_ab)
     if scales is None:
         operands, in_specs = (meta, a, b), [meta_spec, a_spec, b_spec]
 
@@ -252,10 +308,15 @@ def _grouped_call(a, b, group_sizes, scales, out_dtype, config: GroupedGemmConfi
     else:
         a_scale, b_scale_inv = scales
         as_t = a_scale.T  # [kb, M]
-        bs_t = jnp.swapaxes(jnp.repeat(b_scale_inv, BK, axis=1)[:, :n], 1, 2)  # [E, kb, N], one scale per row of B
+        if config.swap_ab:  # read as is: one scale per (128-row block, K step) of the tile
+            if BK % bn:
+                raise ValueError(f"swap_ab with FP8 operands needs block_n dividing {BK}, got {bn}")
+            bs_t, bs_spec = b_scale_inv, pl.BlockSpec(b_scale_inv.shape, order(lambda i, j: (0, 0, 0)))
+        else:  # [E, kb, N], one scale per row of B
+            bs_t = jnp.swapaxes(jnp.repeat(b_scale_inv, BK, axis=1)[:, :n], 1, 2)
+            bs_spec = pl.BlockSpec((e, kb, bn), order(lambda i, j: (0, 0, j)))
         operands = (meta, a, as_t, b, bs_t)
-        in_specs = [meta_spec, a_spec, pl.BlockSpec((kb, m), order(lambda i, j: (0, 0))), b_spec,
-                    pl.BlockSpec((e, kb, bn), order(lambda i, j: (0, 0, j)))]
+        in_specs = [meta_spec, a_spec, pl.BlockSpec((kb, m), order(lambda i, j: (0, 0))), b_spec, bs_spec]
         kernel = body
     return pl.pallas_call(
         kernel,
@@ -454,7 +515,7 @@ BENCH_TOKENS = (64, 256, 2048, 8192)
 BENCH_SHAPES = {"gate_up": (768, 2048), "gate_up_fused": (1536, 2048), "down": (2048, 768)}
 ROUTINGS = ("uniform", "skewed")
 # The slice of SWEEP_CONFIGS timed per regime (M = tokens * 8), to keep compile time in one device call.
-SMALL_M_CONFIGS = (SWEEP_CONFIGS[0], SWEEP_CONFIGS[1], SWEEP_CONFIGS[2], SWEEP_CONFIGS[3])  # M <= 2048
+SMALL_M_CONFIGS = (*SWEEP_CONFIGS[:4], *SWEEP_CONFIGS[8:12])  # M <= 2048 (the swap_ab ones included)
 LARGE_M_CONFIGS = (SWEEP_CONFIGS[3], SWEEP_CONFIGS[4], SWEEP_CONFIGS[5], SWEEP_CONFIGS[6], SWEEP_CONFIGS[7])
 
 
@@ -502,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=4, help="distinct activation sets per timed jit")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new row after this many seconds (skipped rows are listed)")
+    parser.add_argument("--tuning-out", default=None,
+                        help="write the best config per (M bucket, N, K) on this device kind (uniform routing) as a "
+                             f"tuning table, merged into {TUNING_FILE.name}'s entries")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print(f"fp8_grouped_gemm benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
@@ -532,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
 
+    tuned: list[dict] = []
     for tokens in args.tokens:
         m = tokens * BENCH_TOP_K
         configs = SWEEP_CONFIGS if args.all_configs else (SMALL_M_CONFIGS if m <= 2048 else LARGE_M_CONFIGS)
@@ -587,6 +652,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["best"] = best
                 out["results"].append(row)
                 save()
+                if args.tuning_out and best is not None and routing == "uniform":
+                    tuned.append({"device_kind": device_kind(), "m_bucket": m_bucket(m), "n": n, "k": k,
+                                  "config": best["config"], "ms": best["ms"], "tflops": best["tflops"]})
+                    write_tuning(args.tuning_out, merged_tuning(TUNING_FILE, tuned))
                 if best is None:
                     print(f"{name} tokens={tokens} {routing}: every config failed: {row['configs'][0]['error']}",
                           flush=True)
@@ -595,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:13s} tokens={tokens:5d} M={m:6d} {routing:7s} ({row['nonempty_groups']:3d} experts, "
                       f"max {row['max_group']:5d} rows): grouped fp8 {best['tflops']:6.1f} TFLOP/s "
                       f"({best['ms']:.3f} ms, bm={c['block_m']} bn={c['block_n']} w={c['num_warps']} "
-                      f"s={c['num_stages']}{'' if c['n_fastest'] else ' items-fastest'}, err {best['max_rel_err_bf16_out']:.1e}) | XLA bf16 ragged_dot "
+                      f"s={c['num_stages']}{'' if c['n_fastest'] else ' items-fastest'}"
+                      f"{' swap_ab' if c['swap_ab'] else ''}, err {best['max_rel_err_bf16_out']:.1e}) | XLA bf16 ragged_dot "
                       f"{row['xla_bf16_ragged_dot']['tflops']:6.1f} ({ms_bf16:.3f} ms) | bf16 grouped "
                       f"{row['bf16_grouped_gemm'].get('tflops', float('nan')):6.1f} | dense fp8_gemm "
                       f"{dense['tflops']:6.1f} ({dense['ms']:.3f} ms)", flush=True)

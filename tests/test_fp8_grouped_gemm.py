@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,11 @@ CASES = {
     "bn256_one_tile_many_groups": (24, 256, 200, [5, 7, 0, 3, 9], Cfg(32, 256, 4, 2)),
     # no rows routed at all: the whole output is the zero tail.
     "all_empty": (20, 48, 130, [0, 0, 0], Cfg(16, 16, 4, 2)),
+    # swap_ab (tiles computed transposed, one weight scale per K step): the ragged case; the other
+    # launch order with a tile narrower than a scale block; two N tiles per 128-row scale block.
+    "swap_ragged_tail_partial_nk": (50, 200, 300, [10, 0, 17, 3, 15], Cfg(16, 64, 4, 2, swap_ab=True)),
+    "swap_one_expert_items_fastest": (40, 96, 256, [0, 0, 40, 0], Cfg(16, 32, 4, 2, n_fastest=False, swap_ab=True)),
+    "swap_aligned_bn128": (64, 256, 128, [16, 16, 32, 0], Cfg(32, 128, 4, 2, swap_ab=True)),
 }
 
 
@@ -225,6 +232,10 @@ class TestGroupedReference:
             Cfg(num_warps=0)
         with pytest.raises(ValueError, match="n_fastest must be a bool"):
             Cfg(n_fastest=1)
+        with pytest.raises(ValueError, match="swap_ab must be a bool"):
+            Cfg(swap_ab=1)
+        with pytest.raises(ValueError, match="swap_ab with FP8 operands needs block_n dividing 128"):
+            call(qa, sa, qw.q, qw.scale_inv, gs, config=Cfg(16, 256, swap_ab=True))
         cfg = Cfg()
         with pytest.raises(dataclasses.FrozenInstanceError):
             cfg.block_m = 32  # type: ignore[misc]
@@ -271,6 +282,64 @@ def test_triton_lowering(config):
             lowered = gg._fp8_grouped_gemm.trace(*args, jnp.dtype(jnp.bfloat16), config, False)
             text = lowered.lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.skipif(os.environ.get("FP8RL_TRITON_FP8_MMAV2", "") not in ("", "0"),
+                    reason="FP8RL_TRITON_FP8_MMAV2 keeps Triton's mma.sync fallback")
+def test_fp8_dots_may_use_wgmma():
+    """`enable_fp8_wgmma`: FP8 dots reach Triton with ``maxNumImpreciseAcc`` = their K (128 here), so
+    Hopper runs them on wgmma (without it Triton takes the float16 mma.sync fallback); float dots
+    are built as before (no attribute)."""
+    from jax._src.pallas.triton import lowering
+
+    from pallas_kernels import common
+
+    assert common.enable_fp8_wgmma() and common.enable_fp8_wgmma()  # installed once, idempotent
+    assert lowering.tt_dialect.dot.__wrapped__ is not None
+    captured = []
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        res = orig(*a, **kw)
+        captured.append(res.module.operation.get_asm(enable_debug_info=False))
+        return res
+
+    S = jax.ShapeDtypeStruct
+    m, n, k, e = 64, 256, 256, 4
+    fp8_args = (S((m, k), jnp.float8_e4m3fn), S((m, 2), jnp.float32), S((e, n, k), jnp.float8_e4m3fn),
+                S((e, 2, 2), jnp.float32), S((e,), jnp.int32))
+    from unittest import mock
+    with _pretend_h200(), mock.patch.object(lowering, "lower_jaxpr_to_triton_module", capture):
+        gg._fp8_grouped_gemm.trace(*fp8_args, jnp.dtype(jnp.bfloat16), Cfg(16, 64, swap_ab=True), False).lower(
+            lowering_platforms=("cuda",))
+        gg._grouped_gemm.trace(S((m, k), jnp.bfloat16), S((e, n, k), jnp.bfloat16), S((e,), jnp.int32),
+                               jnp.dtype(jnp.bfloat16), Cfg(16, 64), False).lower(lowering_platforms=("cuda",))
+    fp8_ir, bf16_ir = captured
+    assert re.search(r"tt\.dot .*maxNumImpreciseAcc = 128 : i32.*f8E4M3FN", fp8_ir), fp8_ir[-2000:]
+    assert "tt.dot" in bf16_ir and "maxNumImpreciseAcc" not in bf16_ir
+
+
+def test_tuning_table_lookup(tmp_path, monkeypatch):
+    """`default_config` (the policy's choice) takes a measured entry for this device kind and (M bucket,
+    N, K), and only that; a swap_ab entry whose block_n does not divide 128 is not used."""
+    import json
+
+    entry = {"device_kind": "TestGPU", "m_bucket": 2048, "n": 768, "k": 2048,
+             "config": dataclasses.asdict(Cfg(16, 64, 4, 4, swap_ab=True))}
+    bad = dict(entry, n=2048, k=768, config=dataclasses.asdict(Cfg(16, 256, 4, 4, swap_ab=True)))
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"entries": [entry, bad, dict(entry, device_kind="OtherGPU", n=1536)]}))
+    monkeypatch.setattr(gg, "TUNING_FILE", path)
+    monkeypatch.setattr(gg, "_device_kind", lambda: "TestGPU")
+    gg._tuning.cache_clear()
+    try:
+        assert gg.default_config(2000, 768, 2048) == Cfg(16, 64, 4, 4, swap_ab=True)  # bucket 2048
+        assert gg.default_config(2049, 768, 2048) == gg.DEFAULT_CONFIG  # bucket 4096: no entry
+        assert gg.default_config(2048, 1536, 2048) == gg.DEFAULT_CONFIG  # measured on another device kind
+        assert gg.default_config(2048, 2048, 768) == gg.DEFAULT_CONFIG  # unusable entry
+    finally:
+        gg._tuning.cache_clear()
 
 
 # ----------------------------------------------------------------------------

@@ -34,9 +34,10 @@ def _f64(a, b, sizes, m):
 class TestDenseGroupedInterpret:
     INTERPRET = True
     SHAPES = [(50, 200, 4, 96, G.GroupedGemmConfig(16, 32, 4, 2)),  # ragged K, N; tail rows
-              (64, 256, 8, 128, G.GroupedGemmConfig(32, 64, 4, 2))]
+              (64, 256, 8, 128, G.GroupedGemmConfig(32, 64, 4, 2)),
+              (50, 200, 4, 96, G.GroupedGemmConfig(16, 32, 4, 2, swap_ab=True))]  # tiles computed transposed
 
-    @pytest.mark.parametrize("dtype,case", [(F32, 0), (BF16, 1)])
+    @pytest.mark.parametrize("dtype,case", [(F32, 0), (BF16, 1), (BF16, 2)])
     def test_matches_ragged_dot_and_float64(self, dtype, case):
         m, k, e, n, cfg = self.SHAPES[case]
         rng = np.random.default_rng()

@@ -370,8 +370,9 @@ class W8A8Policy(MatmulPolicy):
                 and jnp.dtype(w.q.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
             def gemm(x, q, s, group_sizes, out_dtype):
                 xq, xs = quantize_activations(x, self.group_size)
+                config = grouped_gemm_kernel.default_config(x.shape[0], *q.shape[1:])  # measured per shape
                 return grouped_gemm_kernel.fp8_grouped_gemm(xq, xs, q, s, group_sizes, out_dtype=out_dtype,
-                                                            interpret=jax.default_backend() != "gpu")
+                                                            config=config, interpret=jax.default_backend() != "gpu")
 
             return self._per_shard(gemm, site, w, x, group_sizes)
         xq, xs = quantize_activations(x, self.group_size)
