@@ -39,27 +39,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int, dot_dtypes=("bfloat16",),
-         word_gather: bool = False, kv_heads=(1,)) -> list[dict]:
+def dump(captured: list[str], out: Path, dtypes, bps, stages, warps, batch: int, context: int,
+         dot_dtypes=("bfloat16",), word_gather: bool = False, kv_heads=(1,)) -> list[dict]:
+    """TTIR of `_paged_attention` per config (``captured``: the list `triton_ir_for_h200` fills)."""
     import functools
 
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import gpu_info, lowering
-    from jax._src.pallas.triton import pallas_call_registration as reg
 
     from pallas_kernels import paged_attention as pa
 
-    reg.gpu_info_lib.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    captured = []
-    orig = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*a, **k):
-        res = orig(*a, **k)
-        captured.append(res.module.operation.get_asm(enable_debug_info=False))
-        return res
-
-    reg.lowering.lower_jaxpr_to_triton_module = capture
     S = jax.ShapeDtypeStruct
     P = batch * (context // 16 + 1)  # the pool size only changes nothing but the bound of the id clamp
     jobs = []
@@ -84,26 +73,14 @@ def dump(out: Path, dtypes, bps, stages, warps, batch: int, context: int, dot_dt
     return jobs
 
 
-def dump_grouped_gemm(out: Path, configs: list[str], tokens: int, n: int, k: int) -> list[dict]:
+def dump_grouped_gemm(captured: list[str], out: Path, configs: list[str], tokens: int, n: int, k: int) -> list[dict]:
     """TTIR of `fp8_grouped_gemm` per config ``bm,bn,warps,stages[,swap]`` at M = tokens * 8, 128
-    experts, [N, K] expert weights."""
+    experts, [N, K] expert weights (``captured``: the list `triton_ir_for_h200` fills)."""
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import gpu_info, lowering
-    from jax._src.pallas.triton import pallas_call_registration as reg
 
     from pallas_kernels import fp8_grouped_gemm as gg
 
-    reg.gpu_info_lib.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    captured = []
-    orig = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*a, **kw):
-        res = orig(*a, **kw)
-        captured.append(res.module.operation.get_asm(enable_debug_info=False))
-        return res
-
-    reg.lowering.lower_jaxpr_to_triton_module = capture
     S = jax.ShapeDtypeStruct
     m, e, kb = tokens * gg.BENCH_TOP_K, gg.BENCH_E, -(-k // 128)
     args = (S((m, k), jnp.float8_e4m3fn), S((m, kb), jnp.float32), S((e, n, k), jnp.float8_e4m3fn),
@@ -248,11 +225,14 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.phase in ("all", "dump"):
-        if a.kernel == "grouped_gemm":
-            jobs = dump_grouped_gemm(out, a.gg_configs, *a.gg_shape)
-        else:
-            jobs = dump(out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context, a.dot_dtypes, a.word_gather,
-                        a.kv_heads)
+        from pallas_kernels.common import triton_ir_for_h200
+
+        with triton_ir_for_h200() as captured:
+            if a.kernel == "grouped_gemm":
+                jobs = dump_grouped_gemm(captured, out, a.gg_configs, *a.gg_shape)
+            else:
+                jobs = dump(captured, out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context, a.dot_dtypes,
+                            a.word_gather, a.kv_heads)
         (out / "jobs.json").write_text(json.dumps(jobs))
     if a.phase == "all":
         env = dict(os.environ, PYTHONPATH="")

@@ -4,6 +4,7 @@ measured tuning tables."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import gzip
 import json
@@ -68,6 +69,30 @@ def enable_fp8_wgmma() -> bool:
     dialect.dot = dot
     _FP8_WGMMA = True
     return True
+
+
+@contextlib.contextmanager
+def triton_ir_for_h200():
+    """Within: Pallas Triton lowerings (``jit(...).trace(...).lower(lowering_platforms=("cuda",))`` on
+    any host) target an H200 (sm_90), and the Triton IR (TTIR text) of each lowered kernel is
+    appended to the yielded list. Private JAX API (jax 0.11): offline codegen inspection and tests."""
+    from unittest import mock
+
+    from jax._src.pallas.triton import gpu_info, lowering
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    captured: list[str] = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    with mock.patch.object(reg.gpu_info_lib, "get_gpu_info", lambda *a, **k: info), \
+            mock.patch.object(reg.lowering, "lower_jaxpr_to_triton_module", capture):
+        yield captured
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

@@ -9,7 +9,6 @@ against the unquantized product in its own test.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -24,6 +23,7 @@ from fp8rl_jax.models import Proj, Site, forward, init_params
 from fp8rl_jax.quant import fp8
 from fp8rl_jax.quant.policy import Kernels, LayerPolicy, W8A8Policy, quantize_params
 from pallas_kernels import fp8_grouped_gemm as gg
+from pallas_kernels.common import triton_ir_for_h200
 from pallas_kernels.fp8_grouped_gemm import GroupedGemmConfig as Cfg
 
 # max |out - ref| / max |ref| keyed by out dtype. f32: kernel and reference sum the same exact fp8
@@ -255,19 +255,7 @@ class TestGroupedReference:
 
 # ----------------------------------------------------------------------------
 # Lowering to Triton IR for an H200 on the CPU (private JAX API; see test_pallas_kernels.py):
-# catches lowering errors before the device run.
-
-
-@contextlib.contextmanager
-def _pretend_h200():
-    from unittest import mock
-
-    from jax._src.pallas.triton import gpu_info
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    with mock.patch.object(reg.gpu_info_lib, "get_gpu_info", lambda *a, **k: info):
-        yield
+# catches lowering errors before the device run (`pallas_kernels.common.triton_ir_for_h200`).
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -278,7 +266,7 @@ def test_triton_lowering(config):
         args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, kb), jnp.float32),
                 jax.ShapeDtypeStruct((e, n, k), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((e, -(-n // 128), kb), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.int32))
-        with _pretend_h200():
+        with triton_ir_for_h200():
             lowered = gg._fp8_grouped_gemm.trace(*args, jnp.dtype(jnp.bfloat16), config, False)
             text = lowered.lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
@@ -297,20 +285,11 @@ def test_fp8_dots_may_use_wgmma():
 
     assert common.enable_fp8_wgmma() and common.enable_fp8_wgmma()  # installed once, idempotent
     assert lowering.tt_dialect.dot.__wrapped__ is not None
-    captured = []
-    orig = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*a, **kw):
-        res = orig(*a, **kw)
-        captured.append(res.module.operation.get_asm(enable_debug_info=False))
-        return res
-
     S = jax.ShapeDtypeStruct
     m, n, k, e = 64, 256, 256, 4
     fp8_args = (S((m, k), jnp.float8_e4m3fn), S((m, 2), jnp.float32), S((e, n, k), jnp.float8_e4m3fn),
                 S((e, 2, 2), jnp.float32), S((e,), jnp.int32))
-    from unittest import mock
-    with _pretend_h200(), mock.patch.object(lowering, "lower_jaxpr_to_triton_module", capture):
+    with triton_ir_for_h200() as captured:
         gg._fp8_grouped_gemm.trace(*fp8_args, jnp.dtype(jnp.bfloat16), Cfg(16, 64, swap_ab=True), False).lower(
             lowering_platforms=("cuda",))
         gg._grouped_gemm.trace(S((m, k), jnp.bfloat16), S((e, n, k), jnp.bfloat16), S((e,), jnp.int32),

@@ -8,7 +8,6 @@ file runs in well under a minute on 2 CPU cores.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -19,6 +18,7 @@ import pytest
 from fp8rl_jax.quant import fp8
 from pallas_kernels import fp8_gemm as fg
 from pallas_kernels import fp8_quant as fq
+from pallas_kernels.common import triton_ir_for_h200
 
 # ----------------------------------------------------------------------------
 # Quantization
@@ -260,19 +260,7 @@ class TestGemmReference:
 # Lowering to Triton IR for an H200, checked on the CPU (private JAX API: the
 # Triton lowering asks the runtime for the GPU's compute capability; we answer
 # "H200"). Catches lowering errors before the device run; PTX/SASS generation
-# still happens only on the GPU.
-
-
-@contextlib.contextmanager
-def _pretend_h200():
-    from unittest import mock
-
-    from jax._src.pallas.triton import gpu_info
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    with mock.patch.object(reg.gpu_info_lib, "get_gpu_info", lambda *a, **k: info):
-        yield
+# still happens only on the GPU (`pallas_kernels.common.triton_ir_for_h200`).
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -280,7 +268,7 @@ class TestTritonLowering:
     @pytest.mark.parametrize("config", [fq.DEFAULT_CONFIG, *fq.SWEEP_CONFIGS], ids=str)
     def test_quant_lowers(self, config):
         w = jax.ShapeDtypeStruct((2, 300, 200), jnp.bfloat16)
-        with _pretend_h200():
+        with triton_ir_for_h200():
             text = fq._quantize_stacked.trace(w, config, False).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
 
@@ -291,7 +279,7 @@ class TestTritonLowering:
         kb = -(-k // 128)
         args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, kb), jnp.float32),
                 jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((-(-n // 128), kb), jnp.float32))
-        with _pretend_h200():
+        with triton_ir_for_h200():
             lowered = fg._fp8_gemm.trace(*args, jnp.dtype(jnp.bfloat16), config, False)
             text = lowered.lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
