@@ -53,7 +53,8 @@ scales are blocked over N only, and the expert is a dynamic index. As in
 `fp8_gemm`, scales are made M/N-major inside the jitted wrapper: ``a_scale^T
 [kb, M]`` and the block scales expanded to one per row of B, ``[E, kb, N]``
 (E*N*K/32 bytes, 1/32 of the FP8 weight bytes, rebuilt by XLA on every
-call), so each K step reads one contiguous scale vector per operand.
+call), so each K step reads one contiguous scale vector per operand. ``swap_ab`` tiles instead load
+all their K steps' scales once, before the K loop (``preload_scales``; measured faster on the H200).
 
 Edges: M, N, K need not be multiples of the tiles; loads are masked on the
 axes that need it (static flags), stores always mask rows. ``group_sizes``
@@ -126,6 +127,15 @@ class GroupedGemmConfig:
         DeepGEMM MoE kernels. With FP8 operands ``block_n`` must divide 128: the tile then lies in
         one 128-row scale block, whose one scale per K step is read from ``b_scale_inv`` as is (no
         per-row expansion of the scales on every call).
+      preload_scales: with ``swap_ab``, load the tile's activation scales ``[kb, block_m]`` and
+        weight scales ``[kb]`` of every K step once, before the K loop, and pick each step's in
+        registers (a one-hot sum: exact). Loaded inside the loop (False, and always without
+        ``swap_ab``) they are plain global loads that Triton does not pipeline: the TTGIR shows
+        them after each step's wgmma wait and before the next step's cp.async, a memory round trip
+        per K step. H200, 30B-A3B experts at 256 tokens (session 13): 66-70 against 75-81 us a
+        call. Without ``swap_ab`` the weight scales are a ``[kb, block_n]`` tile whose registers
+        cost occupancy (64 x 128: 215 registers, 2 CTAs/SM, 70 -> 80 us), so it is not offered.
+        Used only where the scales fit (`preload_scales`).
     """
 
     block_m: int = 64
@@ -134,6 +144,7 @@ class GroupedGemmConfig:
     num_stages: int = 3
     n_fastest: bool = True
     swap_ab: bool = False
+    preload_scales: bool = True
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -144,7 +155,7 @@ class GroupedGemmConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"GroupedGemmConfig.{name} must be a positive int, got {v!r}")
-        for name in ("n_fastest", "swap_ab"):
+        for name in ("n_fastest", "swap_ab", "preload_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GroupedGemmConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -217,7 +228,9 @@ def work_items(group_sizes: jax.Array, m: int, block_m: int, k_steps: int) -> ja
     n_tiles = jnp.where(nonempty, last - first + 1, 0)
     cum = jnp.cumsum(n_tiles)
     item = jnp.arange(w, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(cum, item, side="right").astype(jnp.int32), e)
+    # compare_all: one [W, E+1] comparison fusion. The default method ("scan") is a while loop of
+    # ~log2(E) tiny steps on the GPU, paid three times per MoE layer at every decode step.
+    g = jnp.minimum(jnp.searchsorted(cum, item, side="right", method="compare_all").astype(jnp.int32), e)
     valid = item < cum[-1]
     tile = first[g] + item - (cum[g] - n_tiles[g])
     tile = jnp.where(valid, tile, 0)
@@ -227,12 +240,31 @@ def work_items(group_sizes: jax.Array, m: int, block_m: int, k_steps: int) -> ja
     return jnp.stack([jnp.minimum(g, e - 1), tile, lo, hi, steps]).astype(jnp.int32)
 
 
+def _next_pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+# Preloaded scales stay in registers for the whole K loop: at most this many float32 per thread.
+_PRELOAD_REGS = 32
+
+
+def preload_scales(config: GroupedGemmConfig, kb: int) -> bool:
+    """Whether the kernel loads a tile's scales of all ``kb`` K steps before its K loop: ``swap_ab``
+    and ``preload_scales`` configs whose scales (activations [kb, block_m] plus weights [kb], kb
+    padded to a power of two) fit in `_PRELOAD_REGS` registers a thread."""
+    per_thread = _next_pow2(kb) * (config.block_m + 1) / (32 * config.num_warps)
+    return config.swap_ab and config.preload_scales and per_thread <= _PRELOAD_REGS
+
+
 def _grouped_kernel(meta_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
-                    block_m: int, n_fastest: bool, swap_ab: bool = False):
+                    block_m: int, n_fastest: bool, swap_ab: bool = False, preload: bool = False):
     """Refs: meta [5, W]; a [M, Kp]; as [kb, M]; b [E, BN, Kp]; bs [E, kb, BN] (``swap_ab``: the
     unexpanded ``b_scale_inv [E, ceil(N/128), kb]``); o [M, BN]. Without scales (``as_ref`` and
     ``bs_ref`` None: `grouped_gemm`, BF16/F32 operands) the K blocks are plain dots accumulated in
-    float32. ``swap_ab``: the accumulator is the tile transposed, [BN, block_m]."""
+    float32. ``swap_ab``: the accumulator is the tile transposed, [BN, block_m]. ``preload`` (with
+    ``swap_ab``): kb is padded to a power of two (zero scales) and the tile's scales of every K step
+    are loaded once, before the K loop; each step picks its own in registers (see
+    `GroupedGemmConfig.preload_scales`)."""
     block_n = o_ref.shape[1]
     scaled = as_ref is not None
     i, j = (pl.program_id(1), pl.program_id(0)) if n_fastest else (pl.program_id(0), pl.program_id(1))
@@ -246,6 +278,24 @@ def _grouped_kernel(meta_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n:
 
     def load(ref, mask):
         return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
+
+    if scaled and preload:  # every K step's scales of the tile, loaded once (kb padded, zeros past it)
+        kbp = as_ref.shape[0]
+        ksel = jnp.arange(kbp, dtype=jnp.int32)
+        sa_all = load(as_ref.at[:, pl.ds(row0, block_m)],
+                      jnp.broadcast_to(row_ok[None, :], (kbp, block_m)) if mask_m else None)  # [kbp, bm]
+        sb_all = plgpu.load(bs_ref.at[g, (j * block_n) // BK, :])  # [kbp]: the tile's one 128-row scale block
+
+    def scales(t):
+        """(sa [block_m], sb: scalar (swap_ab) or [block_n]) of K step t. Preloaded: a one-hot sum over the
+        padded steps, exact (one term is nonzero)."""
+        if preload:
+            hot = ksel == t
+            return jnp.sum(jnp.where(hot[:, None], sa_all, 0.0), axis=0), jnp.sum(jnp.where(hot, sb_all, 0.0))
+        sa = load(as_ref.at[t, pl.ds(row0, block_m)], row_ok if mask_m else None)
+        if swap_ab:  # the tile's rows of B lie in one 128-row scale block: one scale per K step
+            return sa, bs_ref[g, (j * block_n) // BK, t]
+        return sa, load(bs_ref.at[g, t, :], col_ok if mask_n else None)
 
     def body(t, acc):
         kk = pl.ds(pl.multiple_of(t * BK, BK), BK)
@@ -265,11 +315,9 @@ def _grouped_kernel(meta_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n:
                                 preferred_element_type=jnp.float32)
         if not scaled:
             return acc + d
-        sa = load(as_ref.at[t, pl.ds(row0, block_m)], row_ok if mask_m else None)
-        if swap_ab:  # the tile's rows of B lie in one 128-row scale block: one scale per K step
-            sb = bs_ref[g, (j * block_n) // BK, t]
+        sa, sb = scales(t)
+        if swap_ab:
             return acc + (d * sa[None, :]) * sb
-        sb = load(bs_ref.at[g, t, :], col_ok if mask_n else None)
         return acc + (d * sa[:, None]) * sb[None, :]
 
     shape = (block_n, block_m) if swap_ab else (block_m, block_n)
@@ -298,8 +346,9 @@ def _grouped_call(a, b, group_sizes, scales, out_dtype, config: GroupedGemmConfi
     meta_spec = pl.BlockSpec((5, w), order(lambda i, j: (0, 0)))
     a_spec = pl.BlockSpec((m, kb * BK), order(lambda i, j: (0, 0)))
     b_spec = pl.BlockSpec((e, bn, kb * BK), order(lambda i, j: (0, j, 0)))
+    preload = scales is not None and preload_scales(config, kb)
     body = functools.partial(_grouped_kernel, m=m, n=n, k=k, block_m=bm, n_fastest=config.n_fastest,
-                             swap_ab=config.swap_ab)
+                             swap_ab=config.swap_ab, preload=preload)
     if scales is None:
         operands, in_specs = (meta, a, b), [meta_spec, a_spec, b_spec]
 
@@ -307,16 +356,18 @@ def _grouped_call(a, b, group_sizes, scales, out_dtype, config: GroupedGemmConfi
             body(meta_ref, a_ref, None, b_ref, None, o_ref)
     else:
         a_scale, b_scale_inv = scales
-        as_t = a_scale.T  # [kb, M]
+        kbp = _next_pow2(kb) if preload else kb  # Triton tiles are powers of two; the padded steps' scales are 0
+        as_t = jnp.pad(a_scale.T, ((0, kbp - kb), (0, 0)))  # [kbp, M]
         if config.swap_ab:  # read as is: one scale per (128-row block, K step) of the tile
             if BK % bn:
                 raise ValueError(f"swap_ab with FP8 operands needs block_n dividing {BK}, got {bn}")
-            bs_t, bs_spec = b_scale_inv, pl.BlockSpec(b_scale_inv.shape, order(lambda i, j: (0, 0, 0)))
+            bs_t = jnp.pad(b_scale_inv, ((0, 0), (0, 0), (0, kbp - kb)))
+            bs_spec = pl.BlockSpec(bs_t.shape, order(lambda i, j: (0, 0, 0)))
         else:  # [E, kb, N], one scale per row of B
             bs_t = jnp.swapaxes(jnp.repeat(b_scale_inv, BK, axis=1)[:, :n], 1, 2)
             bs_spec = pl.BlockSpec((e, kb, bn), order(lambda i, j: (0, 0, j)))
         operands = (meta, a, as_t, b, bs_t)
-        in_specs = [meta_spec, a_spec, pl.BlockSpec((kb, m), order(lambda i, j: (0, 0))), b_spec, bs_spec]
+        in_specs = [meta_spec, a_spec, pl.BlockSpec((kbp, m), order(lambda i, j: (0, 0))), b_spec, bs_spec]
         kernel = body
     return pl.pallas_call(
         kernel,

@@ -115,6 +115,19 @@ class TestGroupedInterpret:
         assert (err := _rel_err(got, want)) <= self.TOL[jnp.dtype(out_dtype)], f"rel err {err:.2e}"
 
 
+    @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][4].swap_ab])
+    def test_preloaded_scales_bit_identical(self, case):
+        """Scales of every K step loaded before the K loop (the default) give the very bits of scales
+        loaded inside it: each step's pick is a one-hot sum, and the padded steps never run."""
+        m, n, k, sizes, config = CASES[case]
+        _, _, qa, sa, qw, gs = _operands(m, n, k, sizes, seed=7)
+        assert gg.preload_scales(config, -(-k // 128))
+        got = [np.asarray(gg.fp8_grouped_gemm(qa, sa, qw.q, qw.scale_inv, gs, out_dtype=jnp.float32,
+                                              config=dataclasses.replace(config, preload_scales=p),
+                                              interpret=self.INTERPRET)) for p in (True, False)]
+        np.testing.assert_array_equal(got[0], got[1])
+
+
 @pytest.mark.gpu
 class TestGroupedGpu(TestGroupedInterpret):
     INTERPRET = False
@@ -172,6 +185,12 @@ class TestGroupedReference:
         for _, _, lo, hi, _ in got:
             covered[lo:hi] += 1
         assert np.all(covered == 1)
+
+    def test_work_items_have_no_loop(self):
+        """The work items are a few fusions, no while loop: ``searchsorted``'s default method is a loop
+        of ~log2(E) tiny steps, which the GPU would run three times per MoE layer at every decode step."""
+        hlo = jax.jit(lambda gs: gg.work_items(gs, 2048, 16, 16)).lower(jnp.zeros(128, jnp.int32)).compile().as_text()
+        assert "while" not in hlo
 
     @pytest.mark.parametrize("m,n,k,sizes", [(30, 70, 300, [7, 0, 20]), (9, 17, 1000, [2, 3, 0, 1])], ids=str)
     def test_reference_vs_float64(self, m, n, k, sizes):
@@ -297,6 +316,36 @@ def test_fp8_dots_may_use_wgmma():
     fp8_ir, bf16_ir = captured
     assert re.search(r"tt\.dot .*maxNumImpreciseAcc = 128 : i32.*f8E4M3FN", fp8_ir), fp8_ir[-2000:]
     assert "tt.dot" in bf16_ir and "maxNumImpreciseAcc" not in bf16_ir
+
+
+def test_preload_scales_only_where_they_fit():
+    """Preloaded scales (swap_ab tiles only) take registers for the whole K loop: [kb, block_m] activation
+    scales plus kb weight scales, kb padded to a power of two, at most `_PRELOAD_REGS` per thread."""
+    assert gg.preload_scales(Cfg(16, 128, 4, 4, swap_ab=True), 16)  # 30B-A3B gate/up: 16 x 17 floats
+    assert gg.preload_scales(Cfg(16, 64, 4, 4, swap_ab=True), 96)  # K = 12288: 128 x 17 over 128 threads
+    assert not gg.preload_scales(Cfg(64, 128, 4, 4, swap_ab=True), 96)  # 128 x 65
+    assert not gg.preload_scales(Cfg(64, 128, 4, 3), 16)  # no swap_ab: in the loop (measured faster)
+    assert not gg.preload_scales(Cfg(16, 64, 4, 4, swap_ab=True, preload_scales=False), 16)
+    assert [gg._next_pow2(x) for x in (1, 2, 3, 6, 16, 17)] == [1, 2, 4, 8, 16, 32]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_preloaded_scales_leave_the_k_loop():
+    """The Triton IR of the K loop: with preloaded scales its only loads are the A and B tiles (Triton
+    pipelines them as cp.async); with scales loaded inside it, two more plain global loads per K step,
+    which Triton does not pipeline (session 12's TTGIR: after the wgmma wait, before the next cp.async)."""
+    S = jax.ShapeDtypeStruct
+    m, n, k, e = 384, 768, 2048, 128  # a shape no other test lowers (a cached lowering captures no IR)
+    args = (S((m, k), jnp.float8_e4m3fn), S((m, k // 128), jnp.float32), S((e, n, k), jnp.float8_e4m3fn),
+            S((e, n // 128, k // 128), jnp.float32), S((e,), jnp.int32))
+    loads = []
+    for preload in (True, False):
+        cfg = Cfg(16, 128, 4, 4, swap_ab=True, preload_scales=preload)
+        with triton_ir_for_h200() as captured:
+            gg._fp8_grouped_gemm.trace(*args, jnp.dtype(jnp.bfloat16), cfg, False).lower(lowering_platforms=("cuda",))
+        loop = captured[0].split("scf.for", 1)[1].split("scf.yield", 1)[0]
+        loads.append(len(re.findall(r"tt\.load", loop)))
+    assert loads == [2, 4], loads
 
 
 def test_tuning_table_lookup(tmp_path, monkeypatch):
