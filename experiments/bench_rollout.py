@@ -171,8 +171,20 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
     vLLM's standalone benchmark holds only its own weights; then the pool is allocated, every
     program compiled (``warmup``) and the workload generated."""
     _beat(f"{mode.value}: engine init")
-    params = make_params()
+    phases = {}  # seconds per setup phase before the warm-up (printed: a 30B-A3B run spent ~170 s here, session 13)
+    t_phase = time.perf_counter()
+
+    def phase(name):
+        nonlocal t_phase
+        now = time.perf_counter()
+        phases[name] = round(now - t_phase, 2)
+        t_phase = now
+
+    params = jax.block_until_ready(make_params())
+    phase("params")
     engine = JaxEngine(cfg.model, params, _engine_config(cfg, mode), asleep=True)  # compiles the quantization
+    jax.block_until_ready(engine.params)
+    phase("engine")
     _beat(f"{mode.value}: engine ready")
     syncs = []
     for _ in range(max(cfg.sync_repeats, 1)):
@@ -181,11 +193,14 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
         jax.block_until_ready(engine.params)
         syncs.append((time.perf_counter() - t0) * 1e3)
     sync_ms = float(np.median(syncs))
+    phase("weight_syncs")
     standalone = cfg.kv_gib_like_vllm is not None and engine.params is not params
     if standalone:
         del params  # the engine holds its FP8 copy only
         gc.collect()
     engine.wake()
+    phase("kv_pool")
+    print(f"[{mode.value}] setup (s): {phases}", flush=True)
     print(f"[{mode.value}] memory with the KV pool ({engine.kv_pool_bytes / 2**30:.2f} GiB) (GB): {_memory()}",
           flush=True)
     prompts, sampling = _requests(cfg.workload, cfg.model.vocab_size, cfg.seed)
@@ -207,6 +222,7 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
     row.update({"weight_sync_ms": sync_ms,  # median of sync_repeats
                 "weight_sync_ms_all": syncs,
                 "warmup_compile_s": compile_s,
+                "setup_s": phases,
                 "kv_pages": engine.num_pages,
                 "kv_pool_gib": engine.kv_pool_bytes / 2**30,
                 "bf16_copy_freed": standalone,
@@ -329,7 +345,9 @@ def main(cfg: BenchConfig) -> dict:
     global WATCH
     key = jax.random.key(cfg.seed)
     # compiled once; the JAX backend builds the weights per mode (the same ones: same key), so a mode can free them
+    t0 = time.perf_counter()
     init = jax.jit(lambda k: init_params(cfg.model, k, jnp.bfloat16)).lower(key).compile()
+    print(f"random init compiled in {time.perf_counter() - t0:.1f} s", flush=True)
     params = init(key) if cfg.backend is Backend.VLLM else None
     if cfg.stall_dump_s > 0:  # not before: the random init's one compile took > 60 s for Qwen3-8B on the H200
         WATCH = StallWatchdog(cfg.stall_dump_s, name="bench_rollout")
