@@ -209,22 +209,24 @@ def fusion_hlo(hlo_text: str, kernel_names, max_lines: int = 24) -> dict[str, di
     return out
 
 
-def replay_gpu_ms(fn, arg_sets) -> dict:
+def replay_gpu_ms(fn, arg_sets, *, with_outputs: bool = False):
     """GPU time per call of ``fn`` over ``arg_sets`` (one jitted program returning every output, run
     once under the JAX profiler): ``{"busy_ms", "span_ms", "kernels"}``, busy = the sum of the
     program's kernel times / calls (what a call costs the GPU, without the host's launch gaps that
     `replay_ms`'s wall clock includes when a call launches slower than it runs; the measure of a CUDA
-    graph replay), span = first kernel start to last kernel end / calls, kernels = us per call by name."""
+    graph replay), span = first kernel start to last kernel end / calls, kernels = us per call by name.
+    ``with_outputs``: returns ``(that dict, the outputs of the calls)``."""
     run = jax.jit(lambda sets: [fn(*args) for args in sets])
-    jax.block_until_ready(run(arg_sets))
+    outputs = jax.block_until_ready(run(arg_sets))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         jax.block_until_ready(run(arg_sets))
         jax.profiler.stop_trace()
         by_name, span, _ = trace_kernels(d)
     n = len(arg_sets)
-    return {"busy_ms": sum(by_name.values()) / n / 1e3, "span_ms": span / n / 1e3,
-            "kernels": {k[:120]: round(v / n, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:4]}}
+    res = {"busy_ms": sum(by_name.values()) / n / 1e3, "span_ms": span / n / 1e3,
+           "kernels": {k[:120]: round(v / n, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:4]}}
+    return (res, outputs) if with_outputs else res
 
 
 def run_environment(**extra) -> dict:

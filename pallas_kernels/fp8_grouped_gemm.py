@@ -96,8 +96,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (device_kind, enable_fp8_wgmma, m_bucket, merged_tuning, resolve_interpret,
-                                   run_environment, tuning_entries, write_tuning)
+from pallas_kernels.common import (device_kind, enable_fp8_wgmma, m_bucket, merged_tuning, replay_gpu_ms,
+                                   resolve_interpret, run_environment, tuning_entries, write_tuning)
 
 enable_fp8_wgmma()  # FP8 dots on wgmma, not the float16 mma.sync fallback (see its note)
 
@@ -175,6 +175,10 @@ SWEEP_CONFIGS = (
     GroupedGemmConfig(16, 128, 4, 4, swap_ab=True),
     GroupedGemmConfig(32, 128, 4, 4, swap_ab=True),
     GroupedGemmConfig(16, 128, 4, 6, swap_ab=True),
+    # 32 token rows: one tile per expert at 256 decode tokens (uniform top-8 routing: <= ~30 rows an expert),
+    # where 16-row tiles give half the experts a second tile (session 13: 3.55 TB/s of weights at 64 tokens,
+    # one tile each, against 3.04 at 256)
+    GroupedGemmConfig(32, 64, 4, 4, swap_ab=True),
 )
 
 
@@ -566,7 +570,7 @@ BENCH_TOKENS = (64, 256, 2048, 8192)
 BENCH_SHAPES = {"gate_up": (768, 2048), "gate_up_fused": (1536, 2048), "down": (2048, 768)}
 ROUTINGS = ("uniform", "skewed")
 # The slice of SWEEP_CONFIGS timed per regime (M = tokens * 8), to keep compile time in one device call.
-SMALL_M_CONFIGS = (*SWEEP_CONFIGS[:4], *SWEEP_CONFIGS[8:12])  # M <= 2048 (the swap_ab ones included)
+SMALL_M_CONFIGS = (*SWEEP_CONFIGS[:4], *SWEEP_CONFIGS[8:13])  # M <= 2048 (the swap_ab ones included)
 LARGE_M_CONFIGS = (SWEEP_CONFIGS[3], SWEEP_CONFIGS[4], SWEEP_CONFIGS[5], SWEEP_CONFIGS[6], SWEEP_CONFIGS[7])
 
 
@@ -588,10 +592,16 @@ def route(key: jax.Array, tokens: int, routing: str, e: int = BENCH_E, top_k: in
     return jnp.bincount(experts.reshape(-1), length=e).astype(jnp.int32)
 
 
-def _time_ms(fn, arg_sets, shared=(), n_replays: int = 10) -> tuple[float, jax.Array]:
-    """(median ms per call, first output) of ``fn(*args, *shared)``: len(arg_sets) calls on distinct
-    inputs in one jit, so neither dispatch overhead nor one input's cache residency is measured.
-    The weights come in ``shared`` as jit arguments (closed over, they would become HLO constants)."""
+def _time_ms(fn, arg_sets, shared=(), n_replays: int = 10, gpu: bool = False) -> tuple[float, jax.Array]:
+    """(ms per call, first output) of ``fn(*args, *shared)``: len(arg_sets) calls on distinct inputs in
+    one jit, so neither dispatch overhead nor one input's cache residency is measured. The weights come
+    in ``shared`` as jit arguments (closed over, they would become HLO constants). ``gpu``: the calls'
+    kernels' GPU time (`replay_gpu_ms` busy: the work items and scale layouts included, the launch gaps
+    of a wall clock not, as in the decode step's CUDA graph); else the median wall clock of
+    ``n_replays`` runs."""
+    if gpu:
+        res, outs = replay_gpu_ms(fn, [(*args, *shared) for args in arg_sets], with_outputs=True)
+        return res["busy_ms"], outs[0]
     run = jax.jit(lambda sets, shared: tuple(fn(*args, *shared) for args in sets))
     first = jax.block_until_ready(run(arg_sets, shared))[0]
     times = []
@@ -612,6 +622,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing", nargs="*", default=list(ROUTINGS), choices=list(ROUTINGS))
     parser.add_argument("--all-configs", action="store_true", help="time every SWEEP_CONFIG on every shape")
     parser.add_argument("--reps", type=int, default=4, help="distinct activation sets per timed jit")
+    parser.add_argument("--timing", choices=("gpu", "wall"), default="gpu",
+                        help="gpu: the kernels' GPU time per call (what a call costs inside the decode step's CUDA "
+                             "graph; session 13 saw 0.15 ms of wall clock around 75 us of kernel); wall: median wall "
+                             "clock of 10 replays")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new row after this many seconds (skipped rows are listed)")
     parser.add_argument("--tuning-out", default=None,
@@ -627,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     from pallas_kernels import fp8_gemm as gemm_kernel
 
     t_start = time.perf_counter()
+    _time = functools.partial(_time_ms, gpu=args.timing == "gpu")
 
     def bf16_ragged(x, w, gs):
         return jax.lax.ragged_dot_general(x, w, gs, _RAGGED_DN, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
@@ -639,7 +654,9 @@ def main(argv: list[str] | None = None) -> int:
         w = jax.random.normal(jax.random.fold_in(key, n * 7 + k), (BENCH_E, n, k), jnp.bfloat16) * 0.05
         weights[name] = (w, fp8_ref.quantize_weight_blockwise(w), fp8_ref.quantize_weight_blockwise(w[0]))
     out = {**run_environment(), "E": BENCH_E, "top_k": BENCH_TOP_K,
-           "timing": f"median of 10 replays of {args.reps} calls on distinct activations in one jit, per call",
+           "timing": (f"GPU time (replay_gpu_ms busy) of {args.reps} calls on distinct activations in one jit, per call"
+                      if args.timing == "gpu" else
+                      f"median of 10 replays of {args.reps} calls on distinct activations in one jit, per call"),
            "results": [], "skipped": []}
 
     def save():
@@ -664,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
             flop = 2.0 * m * n * k
             dense = []
             for cfg in dense_configs:
-                ms, _ = _time_ms(lambda qa, sa, q, s, cfg=cfg: gemm_kernel.fp8_gemm(
+                ms, _ = _time(lambda qa, sa, q, s, cfg=cfg: gemm_kernel.fp8_gemm(
                     qa, sa, q, s, config=cfg, interpret=False), qxs, (qw_dense.q, qw_dense.scale_inv))
                 dense.append({"config": dataclasses.asdict(cfg), "ms": ms, "tflops": flop / (ms * 1e-3) / 1e12})
             dense = min(dense, key=lambda r: r["ms"])
@@ -677,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
                 best = None
                 for cfg in configs:
                     try:
-                        ms, got = _time_ms(lambda qa, sa, q, s, g, cfg=cfg: fp8_grouped_gemm(
+                        ms, got = _time(lambda qa, sa, q, s, g, cfg=cfg: fp8_grouped_gemm(
                             qa, sa, q, s, g, config=cfg, interpret=False), qxs, (qw.q, qw.scale_inv, gs))
                         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref))) / (ref_max + 1e-30)
                     except Exception as ex:  # report and go on
@@ -689,11 +706,11 @@ def main(argv: list[str] | None = None) -> int:
                     row["configs"].append(res)
                     if best is None or ms < best["ms"]:
                         best = res
-                ms_bf16, _ = _time_ms(bf16_ragged, [(x,) for x in xs], (w, gs))
+                ms_bf16, _ = _time(bf16_ragged, [(x,) for x in xs], (w, gs))
                 row["xla_bf16_ragged_dot"] = {"ms": ms_bf16, "tflops": flop / (ms_bf16 * 1e-3) / 1e12}
                 try:  # the unscaled BF16 twin (the generator's BF16 MoE), at the FP8 kernel's best tiles
                     cfg = GroupedGemmConfig(**best["config"]) if best is not None else DEFAULT_CONFIG
-                    ms_g, _ = _time_ms(lambda x, q, g, cfg=cfg: grouped_gemm(x, q, g, config=cfg, interpret=False),
+                    ms_g, _ = _time(lambda x, q, g, cfg=cfg: grouped_gemm(x, q, g, config=cfg, interpret=False),
                                        [(x,) for x in xs], (w, gs))
                     row["bf16_grouped_gemm"] = {"config": dataclasses.asdict(cfg), "ms": ms_g,
                                                 "tflops": flop / (ms_g * 1e-3) / 1e12}

@@ -85,3 +85,17 @@ def test_fusion_hlo_names_what_each_kernel_computes():
     exp = [v for v in got.values() if any("exponential(" in line for line in v["computation"])]
     assert len(exp) == 1 and "jit(<lambda>)/exp" in exp[0]["source_ops"]
     assert "fusion(" in exp[0]["instruction"] and f"f32[{m},{n}]" in "\n".join(exp[0]["computation"])
+
+
+def test_replay_gpu_ms_returns_the_calls_outputs():
+    """``with_outputs``: the outputs of the timed program's calls, one per argument set (the grouped GEMM's
+    sweep checks its error on them without compiling the call again). No GPU here: only the outputs are
+    checked, and the timing keys are present."""
+    from pallas_kernels.common import replay_gpu_ms
+
+    rng = np.random.default_rng()
+    sets = [(jnp.asarray(rng.standard_normal((5, 7)), jnp.float32), jnp.float32(rng.uniform(1, 2))) for _ in range(3)]
+    res, outs = replay_gpu_ms(lambda x, s: jnp.tanh(x) * s, sets, with_outputs=True)
+    assert {"busy_ms", "span_ms", "kernels"} <= set(res) and len(outs) == 3
+    for (x, s), out in zip(sets, outs):
+        np.testing.assert_allclose(np.asarray(out), np.tanh(np.asarray(x, np.float64)) * float(s), rtol=1e-5)
