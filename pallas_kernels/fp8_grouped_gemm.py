@@ -338,7 +338,8 @@ def _grouped_kernel(meta_ref, a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n:
 
 def _grouped_call(a, b, group_sizes, scales, out_dtype, config: GroupedGemmConfig, interpret: bool, name: str):
     """The pallas_call of both kernels: work items from ``group_sizes``, grid (N tiles x items) or
-    (items x N tiles); ``scales`` = (a_scale, b_scale_inv) for FP8 operands, None for unscaled."""
+    (items x N tiles); ``scales`` = (a_scale, b_scale_inv, a_scale_t) for FP8 operands (``a_scale_t``:
+    a_scale comes as ``[kb, M]``), None for unscaled."""
     m, k = a.shape
     e, n, _ = b.shape
     kb = pl.cdiv(k, BK)
@@ -359,9 +360,9 @@ def _grouped_call(a, b, group_sizes, scales, out_dtype, config: GroupedGemmConfi
         def kernel(meta_ref, a_ref, b_ref, o_ref):
             body(meta_ref, a_ref, None, b_ref, None, o_ref)
     else:
-        a_scale, b_scale_inv = scales
+        a_scale, b_scale_inv, a_scale_t = scales
         kbp = _next_pow2(kb) if preload else kb  # Triton tiles are powers of two; the padded steps' scales are 0
-        as_t = jnp.pad(a_scale.T, ((0, kbp - kb), (0, 0)))  # [kbp, M]
+        as_t = jnp.pad(a_scale if a_scale_t else a_scale.T, ((0, kbp - kb), (0, 0)))  # [kbp, M]
         if config.swap_ab:  # read as is: one scale per (128-row block, K step) of the tile
             if BK % bn:
                 raise ValueError(f"swap_ab with FP8 operands needs block_n dividing {BK}, got {bn}")
@@ -385,14 +386,14 @@ def _grouped_call(a, b, group_sizes, scales, out_dtype, config: GroupedGemmConfi
     )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "a_scale_t"))
 def _fp8_grouped_gemm(a, a_scale, b, b_scale_inv, group_sizes, out_dtype, config: GroupedGemmConfig,
-                      interpret: bool):
-    return _grouped_call(a, b, group_sizes, (a_scale, b_scale_inv), out_dtype, config, interpret,
+                      interpret: bool, a_scale_t: bool = False):
+    return _grouped_call(a, b, group_sizes, (a_scale, b_scale_inv, a_scale_t), out_dtype, config, interpret,
                          "fp8_block_grouped_gemm")
 
 
-def _check_operands(a, a_scale, b, b_scale_inv, group_sizes, out_dtype) -> jnp.dtype:
+def _check_operands(a, a_scale, b, b_scale_inv, group_sizes, out_dtype, a_scale_t: bool = False) -> jnp.dtype:
     for name, x in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale_inv", b_scale_inv),
                     ("group_sizes", group_sizes)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -418,7 +419,10 @@ def _check_operands(a, a_scale, b, b_scale_inv, group_sizes, out_dtype) -> jnp.d
         raise ValueError(
             f"group_sizes has shape {tuple(group_sizes.shape)}, expected (E,) = ({e},) for b {tuple(b.shape)}")
     kb = pl.cdiv(k, BK)
-    if tuple(a_scale.shape) != (m, kb):
+    if a_scale_t and tuple(a_scale.shape) != (kb, m):
+        raise ValueError(f"a_scale (a_scale_t=True) has shape {tuple(a_scale.shape)}, expected (ceil(K/128), M) = "
+                         f"{(kb, m)}")
+    if not a_scale_t and tuple(a_scale.shape) != (m, kb):
         raise ValueError(f"a_scale has shape {tuple(a_scale.shape)}, expected (M, ceil(K/128)) = {(m, kb)}")
     if tuple(b_scale_inv.shape) != (e, pl.cdiv(n, BK), kb):
         raise ValueError(
@@ -440,6 +444,7 @@ def fp8_grouped_gemm(
     out_dtype=jnp.bfloat16,
     config: GroupedGemmConfig | None = None,
     interpret: bool | None = None,
+    a_scale_t: bool = False,
 ) -> jax.Array:
     """Block-scaled FP8 grouped ``A @ B[g]^T``: see the module note for the exact math.
 
@@ -452,6 +457,9 @@ def fp8_grouped_gemm(
       out_dtype: bfloat16 (default), float16 or float32.
       config: tiling (`GroupedGemmConfig`); None uses `DEFAULT_CONFIG`.
       interpret: None runs natively on a GPU backend and in interpret mode otherwise.
+      a_scale_t: ``a_scale`` comes transposed, ``[ceil(K/128), M]``, the kernel's layout
+        (`fp8rl_jax.quant.quantize_activations_t` writes it from the quantization itself), so the
+        call transposes nothing.
 
     Returns:
       ``[M, N]`` in `out_dtype`.
@@ -459,10 +467,12 @@ def fp8_grouped_gemm(
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, GroupedGemmConfig):
         raise ValueError(f"config must be a GroupedGemmConfig or None, got {type(config).__name__}")
+    if not isinstance(a_scale_t, bool):
+        raise ValueError(f"a_scale_t must be a bool, got {a_scale_t!r}")
     interpret = resolve_interpret(interpret)
-    out_dtype = _check_operands(a, a_scale, b, b_scale_inv, group_sizes, out_dtype)
+    out_dtype = _check_operands(a, a_scale, b, b_scale_inv, group_sizes, out_dtype, a_scale_t)
     return _fp8_grouped_gemm(a, a_scale, b, b_scale_inv, group_sizes.astype(jnp.int32), out_dtype, config,
-                             interpret)
+                             interpret, a_scale_t)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))

@@ -128,6 +128,22 @@ class TestGroupedInterpret:
         np.testing.assert_array_equal(got[0], got[1])
 
 
+    @pytest.mark.parametrize("case", ["swap_ragged_tail_partial_nk", "ragged_tail_partial_nk"])
+    def test_transposed_activation_scales(self, case):
+        """``a_scale_t``: the scales in the kernel's [K/128, M] order (what `quantize_activations_t` writes,
+        the W8A8 policy's call) give the very bits of the [M, K/128] call."""
+        m, n, k, sizes, config = CASES[case]
+        x, _, qa, sa, qw, gs = _operands(m, n, k, sizes, seed=11)
+        qa_t, sa_t = fp8.quantize_activations_t(jnp.asarray(x, jnp.bfloat16))
+        np.testing.assert_array_equal(np.asarray(sa_t), np.asarray(sa).T)
+        got = [np.asarray(gg.fp8_grouped_gemm(a, s_, qw.q, qw.scale_inv, gs, out_dtype=jnp.float32, config=config,
+                                              interpret=self.INTERPRET, a_scale_t=t))
+               for a, s_, t in ((qa, sa, False), (qa_t, sa_t, True))]
+        np.testing.assert_array_equal(got[0], got[1])
+        with pytest.raises(ValueError, match=r"a_scale \(a_scale_t=True\) has shape"):
+            gg.fp8_grouped_gemm(qa, sa, qw.q, qw.scale_inv, gs, config=config, interpret=self.INTERPRET, a_scale_t=True)
+
+
 @pytest.mark.gpu
 class TestGroupedGpu(TestGroupedInterpret):
     INTERPRET = False

@@ -369,10 +369,11 @@ class W8A8Policy(MatmulPolicy):
         if (self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK
                 and jnp.dtype(w.q.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
             def gemm(x, q, s, group_sizes, out_dtype):
-                xq, xs = quantize_activations(x, self.group_size)
+                xq, xs_t = quantize_activations_t(x, self.group_size)  # scales in the kernel's [K/128, M] order
                 config = grouped_gemm_kernel.default_config(x.shape[0], *q.shape[1:])  # measured per shape
-                return grouped_gemm_kernel.fp8_grouped_gemm(xq, xs, q, s, group_sizes, out_dtype=out_dtype,
-                                                            config=config, interpret=jax.default_backend() != "gpu")
+                return grouped_gemm_kernel.fp8_grouped_gemm(xq, xs_t, q, s, group_sizes, out_dtype=out_dtype,
+                                                            config=config, interpret=jax.default_backend() != "gpu",
+                                                            a_scale_t=True)
 
             return self._per_shard(gemm, site, w, x, group_sizes)
         xq, xs = quantize_activations(x, self.group_size)
