@@ -194,11 +194,19 @@ def _tuning(kind: str) -> dict[tuple[int, int, int], GroupedGemmConfig]:
             for e in tuning_entries(TUNING_FILE, kind)}
 
 
+# Untuned shapes at decode sizes (M <= DECODE_ROWS rows): the config measured best on both 30B-A3B expert shapes
+# at 256 tokens (session 13: 66-70 us of GPU time with preloaded scales, 64 x 128 tiles 70-86).
+DECODE_ROWS = 2048
+DECODE_CONFIG = GroupedGemmConfig(16, 128, 4, 4, swap_ab=True)
+
+
 def default_config(m: int, n: int, k: int) -> GroupedGemmConfig:
     """The measured best for this (M bucket, N, K) on this device kind (`TUNING_FILE`), else
-    `DEFAULT_CONFIG`."""
+    `DECODE_CONFIG` up to `DECODE_ROWS` rows and `DEFAULT_CONFIG` above."""
     tuned = _tuning(_device_kind()).get((m_bucket(m), n, k))
-    return tuned if tuned is not None and (not tuned.swap_ab or BK % tuned.block_n == 0) else DEFAULT_CONFIG
+    if tuned is not None and (not tuned.swap_ab or BK % tuned.block_n == 0):
+        return tuned
+    return DECODE_CONFIG if m <= DECODE_ROWS else DEFAULT_CONFIG
 
 
 def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:

@@ -366,7 +366,8 @@ def test_preloaded_scales_leave_the_k_loop():
 
 def test_tuning_table_lookup(tmp_path, monkeypatch):
     """`default_config` (the policy's choice) takes a measured entry for this device kind and (M bucket,
-    N, K), and only that; a swap_ab entry whose block_n does not divide 128 is not used."""
+    N, K), and only that; a swap_ab entry whose block_n does not divide 128 is not used; without one,
+    decode sizes get `DECODE_CONFIG`, larger M `DEFAULT_CONFIG`."""
     import json
 
     entry = {"device_kind": "TestGPU", "m_bucket": 2048, "n": 768, "k": 2048,
@@ -380,8 +381,11 @@ def test_tuning_table_lookup(tmp_path, monkeypatch):
     try:
         assert gg.default_config(2000, 768, 2048) == Cfg(16, 64, 4, 4, swap_ab=True)  # bucket 2048
         assert gg.default_config(2049, 768, 2048) == gg.DEFAULT_CONFIG  # bucket 4096: no entry
-        assert gg.default_config(2048, 1536, 2048) == gg.DEFAULT_CONFIG  # measured on another device kind
-        assert gg.default_config(2048, 2048, 768) == gg.DEFAULT_CONFIG  # unusable entry
+        assert gg.default_config(4096, 1536, 2048) == gg.DEFAULT_CONFIG  # measured on another device kind
+        assert gg.default_config(4096, 2048, 768) == gg.DEFAULT_CONFIG  # unusable entry
+        # no usable entry at decode sizes: the decode default (swap_ab 16-row tiles), not the 64-row one
+        assert gg.default_config(2048, 1536, 2048) == gg.default_config(2048, 2048, 768) == gg.DECODE_CONFIG
+        assert gg.DECODE_CONFIG.swap_ab and gg.preload_scales(gg.DECODE_CONFIG, 16)
     finally:
         gg._tuning.cache_clear()
 

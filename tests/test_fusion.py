@@ -98,14 +98,40 @@ def test_forward_equals_separate_projections(config, quantized):
     fwd = jax.jit(lambda p, t: forward(p, t, config=config, policy=policy)[0])
     want, got = fwd(src, tokens), fwd(fuse_params(src), tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    if config is ALIGNED_MOE:  # attention fused, experts untouched
+    if config is ALIGNED_MOE:  # attention and every layer's experts' gate/up fused
         flat = _flat(fuse_params(src))
         assert isinstance(flat[("layers", 0, "self_attn", "q_proj", "weight")], FusedWeight)
-        assert not any(isinstance(v, FusedWeight) for k, v in flat.items() if "experts" in k)
+        for layer in range(config.num_layers):
+            head = flat[("layers", layer, "mlp", "experts", "gate_proj")]
+            assert isinstance(head, FusedWeight) and head.sizes == (128, 128)
+            assert isinstance(head.w, QuantizedWeight) is quantized
 
 
-def test_engine_default_and_tokens():
-    cfg1 = dataclasses.replace(ALIGNED, num_layers=1)  # compiles dominate: one layer
+@pytest.mark.parametrize("quantized", [False, True])
+def test_expert_layout(quantized):
+    """Stacked experts: ``[E, I_gate + I_up, D]``, each expert's gate rows then its up rows (the block
+    scales likewise, ``[E, 2I/128, D/128]``); the up projection becomes an empty placeholder; down stays."""
+    params = init_params(ALIGNED_MOE, jax.random.key(4), jnp.float32)
+    src = quantize_params(params, ALIGNED_MOE) if quantized else params
+    flat, fused = _flat(src), _flat(fuse_params(src))
+    e, i, d = ALIGNED_MOE.num_experts, ALIGNED_MOE.moe_intermediate_size, ALIGNED_MOE.hidden_size
+    for layer in range(ALIGNED_MOE.num_layers):
+        key = ("layers", layer, "mlp", "experts")
+        head, parts = fused[(*key, "gate_proj")], [flat[(*key, n)] for n in ("gate_proj", "up_proj")]
+        assert isinstance(head, FusedWeight) and head.sizes == (i, i) and head.shape == (e, 2 * i, d)
+        if quantized:
+            np.testing.assert_array_equal(np.asarray(head.w.q, np.float32),
+                                          np.concatenate([np.asarray(p.q, np.float32) for p in parts], axis=1))
+            np.testing.assert_array_equal(head.w.scale_inv, np.concatenate([p.scale_inv for p in parts], axis=1))
+        else:
+            np.testing.assert_array_equal(head.w, np.concatenate(parts, axis=1))
+        assert fused[(*key, "up_proj")].shape == (0,)
+        assert not isinstance(fused[(*key, "down_proj")], FusedWeight)
+
+
+@pytest.mark.parametrize("config", [ALIGNED, ALIGNED_MOE], ids=["dense", "moe"])
+def test_engine_default_and_tokens(config):
+    cfg1 = dataclasses.replace(config, num_layers=1)  # compiles dominate: one layer
     params = init_params(cfg1, jax.random.key(3), jnp.float32)
     prompts = [[5, 6, 7, 8], list(range(9, 20)), [3] * 16]  # one prefill bucket (16): one compilation per engine
     sampling = SamplingConfig(temperature=1.0, max_tokens=6, seed=4)

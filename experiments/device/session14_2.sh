@@ -4,7 +4,7 @@
 # the 32-row swap_ab tile; then 30B W1 all with that table (compare call 1's all).
 source experiments/device/env.sh
 { echo "== grouped GEMM sweep (GPU time)"; timeout 240 python -m pallas_kernels.fp8_grouped_gemm --tokens 256 64 2048 \
-    --shapes gate_up down --budget-s 200 --out "$OUT/grouped_gemm.json" --tuning-out "$OUT/gg_tuning.json"
+    --shapes gate_up_fused down gate_up --budget-s 200 --out "$OUT/grouped_gemm.json" --tuning-out "$OUT/gg_tuning.json"
   echo "rc=$?"
   [ -f "$OUT/gg_tuning.json" ] && cp "$OUT/gg_tuning.json" pallas_kernels/fp8_grouped_gemm_tuning.json
   echo "== 30B-A3B W1 all"; timeout $(left 585) python experiments/bench_rollout.py --preset qwen3_30b_a3b \

@@ -37,7 +37,7 @@ from flax import nnx
 from fp8rl_jax.models.attention import apply_rope, causal_mask, dot_attention, rope_cos_sin
 from fp8rl_jax.models.kv_cache import KVCache, PagedKVCache
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.fusion import FusedWeight, fused_dot
+from fp8rl_jax.models.fusion import FusedWeight, fused_dot, fused_ragged_dot
 from fp8rl_jax.models.policy import DensePolicy, MatmulPolicy, Proj, Site, matmul_precision
 
 _INIT_STD = 0.02  # HF's initializer_range for Qwen3
@@ -133,8 +133,12 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         rd, layer = self.policy.ragged_dot, self.layer
-        g = rd(x, self.gate_proj.get_value(), group_sizes, Site(layer, Proj.EXPERT_GATE))
-        u = rd(x, self.up_proj.get_value(), group_sizes, Site(layer, Proj.EXPERT_UP))
+        wg = self.gate_proj.get_value()
+        if isinstance(wg, FusedWeight):  # the generator's layout: [gate; up] of each expert in one grouped GEMM
+            g, u = fused_ragged_dot(self.policy, x, wg, group_sizes, Site(layer, Proj.EXPERT_GATE))
+        else:
+            g = rd(x, wg, group_sizes, Site(layer, Proj.EXPERT_GATE))
+            u = rd(x, self.up_proj.get_value(), group_sizes, Site(layer, Proj.EXPERT_UP))
         return rd(jax.nn.silu(g) * u, self.down_proj.get_value(), group_sizes, Site(layer, Proj.EXPERT_DOWN))
 
 

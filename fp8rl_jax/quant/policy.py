@@ -147,16 +147,17 @@ def quantize_params(params: nnx.State, config: ModelConfig, layer_policy: LayerP
 
 def quantize_weight_concat(parts: list, block_size: tuple[int, int] = (128, 128), kernels: Kernels = Kernels.AUTO
                            ) -> QuantizedWeight:
-    """`quantize_weight` of ``parts`` ([N_i, K] each, every N_i a multiple of the block rows) concatenated
-    on the output axis. The Pallas path quantizes each part straight into its rows of one buffer
-    (`pallas_kernels.fp8_quant.quantize_weight_concat`); the result equals quantizing the parts and
-    concatenating."""
-    if (kernels.pallas() and tuple(block_size) == _KERNEL_BLOCK
+    """`quantize_weight` of ``parts`` ([N_i, K] each, or stacked experts [E, N_i, K]; every N_i a multiple
+    of the block rows) concatenated on the output axis (-2). The Pallas path quantizes each [N_i, K] part
+    straight into its rows of one buffer (`pallas_kernels.fp8_quant.quantize_weight_concat`); stacked
+    experts are quantized part by part and concatenated (each expert's rows are not contiguous in the
+    fused buffer). The result equals quantizing the parts and concatenating."""
+    if (parts[0].ndim == 2 and kernels.pallas() and tuple(block_size) == _KERNEL_BLOCK
             and all(jnp.dtype(p.dtype) in (jnp.bfloat16, jnp.float32) for p in parts)):
         return quant_kernel.quantize_weight_concat(parts, interpret=jax.default_backend() != "gpu")
-    qs = [quantize_weight_blockwise(p, block_size) for p in parts]
-    return QuantizedWeight(jnp.concatenate([q.q for q in qs]), jnp.concatenate([q.scale_inv for q in qs]),
-                           tuple(block_size))
+    qs = [quantize_weight(p, block_size, kernels) for p in parts]
+    return QuantizedWeight(jnp.concatenate([q.q for q in qs], axis=-2),
+                           jnp.concatenate([q.scale_inv for q in qs], axis=-2), tuple(block_size))
 
 
 def quantizing_concat(parts: list, paths: list, config: ModelConfig, layer_policy: LayerPolicy = LayerPolicy(),
@@ -171,7 +172,8 @@ def quantizing_concat(parts: list, paths: list, config: ModelConfig, layer_polic
         return concat_parts(parts)
     bn = layer_policy.block_size[0]
     if (not all(flags) or any(isinstance(p, (QuantizedWeight, FusedWeight)) for p in parts)
-            or any(p.ndim != 2 or p.shape[0] % bn for p in parts) or len({p.shape[1] for p in parts}) != 1
+            or len({p.ndim for p in parts}) != 1 or parts[0].ndim not in (2, 3)
+            or any(p.shape[-2] % bn for p in parts) or len({(*p.shape[:-2], p.shape[-1]) for p in parts}) != 1
             or len({jnp.dtype(p.dtype) for p in parts}) != 1):
         return None
     return quantize_weight_concat(parts, layer_policy.block_size, kernels)
