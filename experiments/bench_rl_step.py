@@ -137,7 +137,7 @@ def run_arm(cfg: BenchConfig, arm: Arm, out_dir: Path) -> dict:
     model = rl.model
     trainer_cfg, policy = rl.trainer_config(), rl.train_policy()
     optimizer = make_optimizer(rl.optimizer)
-    params = jax.jit(lambda k: init_params(model, k, jnp.float32))(jax.random.key(cfg.seed))
+    params = init_params(model, jax.random.key(cfg.seed), jnp.float32)
     state = init_train_state(params, optimizer, jax.random.key(cfg.seed + 1))
     del params
     train_step = make_train_step(model, policy, trainer_cfg, optimizer)

@@ -344,12 +344,16 @@ def _workload_name(w: Workload) -> str:
 def main(cfg: BenchConfig) -> dict:
     global WATCH
     key = jax.random.key(cfg.seed)
-    # compiled once; the JAX backend builds the weights per mode (the same ones: same key), so a mode can free them
-    t0 = time.perf_counter()
-    init = jax.jit(lambda k: init_params(cfg.model, k, jnp.bfloat16)).lower(key).compile()
-    print(f"random init compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    # the JAX backend builds the weights per mode (the same ones: same key), so a mode can free them; init_params
+    # compiles each distinct leaf shape once, so the second mode's init reuses the first's programs
+    def init(k):
+        t0 = time.perf_counter()
+        p = jax.block_until_ready(init_params(cfg.model, k, jnp.bfloat16))
+        print(f"random init in {time.perf_counter() - t0:.1f} s", flush=True)
+        return p
+
     params = init(key) if cfg.backend is Backend.VLLM else None
-    if cfg.stall_dump_s > 0:  # not before: the random init's one compile took > 60 s for Qwen3-8B on the H200
+    if cfg.stall_dump_s > 0:  # not before: a slow host/compile before the first mode is not a stall
         WATCH = StallWatchdog(cfg.stall_dump_s, name="bench_rollout")
     results = {
         "environment": run_environment(),

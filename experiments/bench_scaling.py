@@ -132,7 +132,7 @@ def bench_trainer_and_sync(cfg: ScalingConfig, devices) -> dict:
     opt = make_optimizer(tc.optimizer)
     policy = DensePolicy(cfg.dtype)
     batch = _train_batch(cfg, model)
-    params = jax.jit(lambda k: init_params(model, k, jnp.float32))(jax.random.key(cfg.seed))  # on device 0
+    params = init_params(model, jax.random.key(cfg.seed), jnp.float32)  # on device 0
     out = {}
     step1 = make_train_step(model, policy, tc, opt)
     holder = {"s": init_train_state(params, opt, jax.random.key(1))}
@@ -182,7 +182,7 @@ def main(cfg: ScalingConfig) -> dict:
                "config": {k: (str(v) if isinstance(v, (Path, Fp8Mode)) else v)
                           for k, v in dataclasses.asdict(cfg).items() if k != "model"},
                "model": dataclasses.asdict(cfg.model)}
-    params = jax.jit(lambda k: init_params(cfg.model, k, jnp.dtype(cfg.dtype)))(jax.random.key(cfg.seed))  # device 0
+    params = init_params(cfg.model, jax.random.key(cfg.seed), jnp.dtype(cfg.dtype))  # device 0
     results["generator"] = bench_generator(cfg, params, devices)
     del params
     gc.collect()

@@ -197,7 +197,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--trace-out", type=Path, default=None, help="also keep each traced call's trace.json.gz here")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.preset]
-    params = jax.jit(lambda k: init_params(cfg, k, jnp.dtype(args.dtype)))(jax.random.key(args.seed))
+    params = init_params(cfg, jax.random.key(args.seed), jnp.dtype(args.dtype))
     results = {"environment": run_environment(), "args": {k: str(v) for k, v in vars(args).items()},
                "model": dataclasses.asdict(cfg), "runs": []}
     for m in args.modes:

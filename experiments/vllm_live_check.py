@@ -195,8 +195,7 @@ def small_check(workdir: Path, max_new: int = 48, enforce_eager: bool = True) ->
 def sync8b(workdir: Path, repeats: int = 5) -> dict:
     """Phase ``sync8b`` (module docstring)."""
     config = qwen3_8b
-    init = jax.jit(lambda k: init_params(config, k, jnp.bfloat16))
-    params = init(jax.random.key(0))
+    params = init_params(config, jax.random.key(0), jnp.bfloat16)
     t0 = time.perf_counter()
     save_checkpoint(workdir, jax.jit(lambda p: quantize_params(p, config))(params), config)
     save_s = time.perf_counter() - t0

@@ -211,3 +211,40 @@ def test_presets_derive_by_replace_and_validate():
 @pytest.mark.parametrize("cfg", [qwen3_8b, qwen3_30b_a3b, tiny_qwen3_moe], ids=["8b", "30b", "tiny_moe"])
 def test_hf_config_dict_round_trip(cfg):
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+@pytest.mark.parametrize("cfg", [tiny_qwen3, tiny_qwen3_moe], ids=["dense", "moe"])
+def test_init_params_draws_hf_init_leaf_by_leaf(cfg):
+    """init_params (one jitted init per leaf shape) returns the model's Param tree: norms at one,
+    every other weight normal(0, 0.02) (moments and a Kolmogorov-Smirnov distance against the
+    normal CDF, float64), independent leaves, reproducible per key and the same under jax.jit."""
+    from math import erf, sqrt
+
+    from flax import nnx
+
+    from fp8rl_jax.models.qwen3 import Qwen3
+
+    params = init_params(cfg, jax.random.key(3), jnp.float32)
+    model_state = nnx.state(nnx.eval_shape(lambda: Qwen3(cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(0))), nnx.Param)
+    assert jax.tree.structure(params) == jax.tree.structure(model_state)
+    firsts = []
+    for (path, x), ref in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(model_state), strict=True):
+        assert x.shape == ref.shape and x.dtype == jnp.float32, path
+        v = np.asarray(x, np.float64).ravel()
+        if x.ndim == 1:
+            np.testing.assert_array_equal(v, 1.0)
+            continue
+        assert abs(v.mean()) < 5 * 0.02 / sqrt(v.size) and abs(v.std() / 0.02 - 1) < 5 / sqrt(2 * v.size), path
+        s = np.sort(v) / 0.02
+        cdf = 0.5 * (1 + np.vectorize(erf)(s / sqrt(2)))
+        ks = np.max(np.maximum(np.arange(1, s.size + 1) / s.size - cdf, cdf - np.arange(s.size) / s.size))
+        assert ks < 1.63 / sqrt(s.size) + 1e-3, (path, ks)  # the KS test's 1% critical value
+        firsts.append(v[:64])
+    assert len({f.tobytes() for f in firsts}) == len(firsts)  # one key per leaf: no two leaves alike
+    again = init_params(cfg, jax.random.key(3), jnp.float32)
+    jitted = jax.jit(lambda k: init_params(cfg, k, jnp.bfloat16))(jax.random.key(3))
+    other = init_params(cfg, jax.random.key(4), jnp.float32)
+    for a, b, c, d in zip(*(jax.tree.leaves(t) for t in (params, again, jitted, other)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(c))
+        assert a.ndim == 1 or not np.array_equal(np.asarray(a), np.asarray(d))
