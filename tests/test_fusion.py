@@ -136,16 +136,37 @@ def test_engine_default_and_tokens(config):
     prompts = [[5, 6, 7, 8], list(range(9, 20)), [3] * 16]  # one prefill bucket (16): one compilation per engine
     sampling = SamplingConfig(temperature=1.0, max_tokens=6, seed=4)
     base = EngineConfig(max_slots=4, num_pages=64, max_seq_len=64, dtype="float32", steps_per_call=4)
-    for mode, default_fused in ((Fp8Mode.NONE, False), (Fp8Mode.W8A8, True)):
+    moe = bool(config.num_experts)
+
+    def experts_fused(engine):
+        return isinstance(_flat(engine.params).get(("layers", 0, "mlp", "experts", "gate_proj")), FusedWeight)
+
+    for mode in (Fp8Mode.NONE, Fp8Mode.W8A8):
         cfg = dataclasses.replace(base, precision=mode)
-        default = JaxEngine(cfg1, params, cfg)
-        assert default.fused is default_fused and is_fused(default.params) is default_fused
-        other = JaxEngine(cfg1, params, dataclasses.replace(cfg, fuse_projections=not default_fused))
-        a, b = default.generate(prompts, sampling), other.generate(prompts, sampling)
-        assert a.token_lists() == b.token_lists()
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        default = JaxEngine(cfg1, params, cfg)  # fused on one device; BF16 experts only when asked
+        assert default.fused and is_fused(default.params)
+        assert experts_fused(default) is (moe and mode is Fp8Mode.W8A8)
+        engines = [default, JaxEngine(cfg1, params, dataclasses.replace(cfg, fuse_projections=False))]
+        assert not is_fused(engines[1].params)
+        if moe and mode is Fp8Mode.NONE:
+            engines.append(JaxEngine(cfg1, params, dataclasses.replace(cfg, fuse_projections=True)))
+            assert experts_fused(engines[2])
+        a, *others = [e.generate(prompts, sampling) for e in engines]
+        for b in others:
+            assert a.token_lists() == b.token_lists()
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         default.update_weights(params)  # every update re-fuses
-        assert is_fused(default.params) is default_fused
+        assert is_fused(default.params) and experts_fused(default) is (moe and mode is Fp8Mode.W8A8)
+    # a failed update leaves no weights (the previous copy went first): generate says so, and the next
+    # update restores the engine
+    bad = jax.tree_util.tree_map_with_path(lambda path, p: p.ravel() if "k_proj" in jax.tree_util.keystr(path) else p,
+                                           params)
+    with pytest.raises(Exception):
+        default.update_weights(bad)
+    with pytest.raises(RuntimeError, match="update_weights failed"):
+        default.generate(prompts, sampling)
+    default.update_weights(params)
+    assert default.generate(prompts, sampling).token_lists() == a.token_lists()
 
 
 def test_engine_refuses_fusion_with_a_mesh():
