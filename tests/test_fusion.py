@@ -157,11 +157,11 @@ def test_engine_default_and_tokens(config):
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         default.update_weights(params)  # every update re-fuses
         assert is_fused(default.params) and experts_fused(default) is (moe and mode is Fp8Mode.W8A8)
-    # a failed update leaves no weights (the previous copy went first): generate says so, and the next
-    # update restores the engine
+    # a failed update (W8A8: the quantization refuses a 1-D k_proj) leaves no weights (the previous copy
+    # went first): generate says so, and the next update restores the engine
     bad = jax.tree_util.tree_map_with_path(lambda path, p: p.ravel() if "k_proj" in jax.tree_util.keystr(path) else p,
                                            params)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="rank"):
         default.update_weights(bad)
     with pytest.raises(RuntimeError, match="update_weights failed"):
         default.generate(prompts, sampling)
