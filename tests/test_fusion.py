@@ -157,14 +157,27 @@ def test_engine_default_and_tokens(config):
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         default.update_weights(params)  # every update re-fuses
         assert is_fused(default.params) and experts_fused(default) is (moe and mode is Fp8Mode.W8A8)
-    # a failed update (W8A8: the quantization refuses a 1-D k_proj) leaves no weights (the previous copy
-    # went first): generate says so, and the next update restores the engine
+    # a misshapen parameter is refused before the engine lets its weights go: nothing lost
     bad = jax.tree_util.tree_map_with_path(lambda path, p: p.ravel() if "k_proj" in jax.tree_util.keystr(path) else p,
                                            params)
-    with pytest.raises(ValueError, match="rank"):
+    with pytest.raises(ValueError, match=r"k_proj\.weight has shape"):
         default.update_weights(bad)
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.v_proj\.weight is missing"):
+        default.update_weights(nnx.from_flat_state([(p, v) for p, v in nnx.to_flat_state(params) if "v_proj" not in p]))
+    assert default.generate(prompts, sampling).token_lists() == a.token_lists()
+    # an update that fails later (in the prepare step) leaves no weights (the previous copy went
+    # first): generate says so, and the next update restores the engine
+    prepare = default._prepare
+
+    def failing(p):
+        raise RuntimeError("out of memory (simulated)")
+
+    default._prepare = failing
+    with pytest.raises(RuntimeError, match="simulated"):
+        default.update_weights(params)
     with pytest.raises(RuntimeError, match="update_weights failed"):
         default.generate(prompts, sampling)
+    default._prepare = prepare
     default.update_weights(params)
     assert default.generate(prompts, sampling).token_lists() == a.token_lists()
 

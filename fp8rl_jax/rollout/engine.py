@@ -72,8 +72,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from fp8rl_jax.models import DensePolicy, Fp8Mode, HeadSharding, ModelConfig, PagedKVCache, forward
+from fp8rl_jax.models import DensePolicy, Fp8Mode, HeadSharding, ModelConfig, PagedKVCache, abstract_params, forward
 from fp8rl_jax.models.fusion import concat_parts, fuse_params
 from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit, calibration_batch
 from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
@@ -329,6 +330,7 @@ class JaxEngine:
         """Swaps in new parameters (re-quantized to FP8 when the engine runs W8A8); FP8 KV scales
         become stale and are recalibrated (or must be synced) before the next generation. With a
         mesh, the params are first resharded into the generator's layout (``last_sync`` times it)."""
+        _check_params(self.model_config, params)  # before the engine lets its current weights go
         if self.mesh is None:
             if self._prepare is None:
                 self.params = params
@@ -919,6 +921,27 @@ def _forward(params, tokens, *, model_config, policy, cache, num_new, record_rou
         return forward_with_routing(params, tokens, **kw)
     logits, cache = forward(params, tokens, **kw)
     return logits, cache, None
+
+
+@functools.lru_cache(maxsize=32)
+def _param_shapes(model_config: ModelConfig) -> dict[tuple, tuple[int, ...]]:
+    return {tuple(p): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(abstract_params(model_config))}
+
+
+def _check_params(model_config: ModelConfig, params: Any) -> None:
+    """`JaxEngine.update_weights`' input check (host-side, shapes only): an ``nnx.State`` must hold
+    every parameter of ``model_config`` in the Hugging Face layout (dense of any float dtype, or
+    FP8 ``QuantizedWeight``), else a ``ValueError`` names the first one missing or misshapen."""
+    if not isinstance(params, nnx.State):
+        return  # other pytrees go to the prepare step as given
+    got = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(params)}
+    for path, shape in _param_shapes(model_config).items():
+        name = ".".join(map(str, path))
+        if path not in got:
+            raise ValueError(f"update_weights: parameter {name} is missing (expected shape {shape})")
+        have = tuple(getattr(got[path], "shape", ()))
+        if have != shape:
+            raise ValueError(f"update_weights: parameter {name} has shape {have}, the model expects {shape}")
 
 
 @functools.lru_cache(maxsize=32)
