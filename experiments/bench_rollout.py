@@ -167,7 +167,8 @@ def _engine_config(cfg: BenchConfig, mode: Fp8Mode) -> EngineConfig:
 
 def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, partial=None) -> dict:
     """One mode: the engine is built without its KV pool, the weight sync (``update_weights``) is
-    timed, then (``kv_gib_like_vllm``, FP8 weight modes) the BF16 copy the sync read is freed, as
+    timed, then (``kv_gib_like_vllm``, modes whose engine keeps its own copy: FP8 weights, or BF16
+    in the fused layout) the BF16 copy the sync read is freed, as
     vLLM's standalone benchmark holds only its own weights; then the pool is allocated, every
     program compiled (``warmup``) and the workload generated."""
     _beat(f"{mode.value}: engine init")
@@ -196,7 +197,7 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
     phase("weight_syncs")
     standalone = cfg.kv_gib_like_vllm is not None and engine.params is not params
     if standalone:
-        del params  # the engine holds its FP8 copy only
+        del params  # the engine holds its own (FP8 or fused) copy only
         gc.collect()
     engine.wake()
     phase("kv_pool")

@@ -36,8 +36,9 @@ def test_bench_rollout_tiny(tmp_path):
 
 
 def test_bench_rollout_kv_pool_like_vllm(tmp_path):
-    """``kv_gib_like_vllm``: each mode's KV pool is the GiB given for its weight precision, and FP8
-    weight modes free the BF16 copy (the engine keeps its FP8 one), as vLLM holds no trainer copy."""
+    """``kv_gib_like_vllm``: each mode's KV pool is the GiB given for its weight precision, and a mode
+    whose engine keeps its own copy (FP8, or BF16 in the fused layout: the default on one device)
+    frees the source copy, as vLLM holds no trainer copy."""
     bench = _load("bench_rollout")
     engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, max_seq_len=32, steps_per_call=4,
                                  dtype="float32", num_pages=3)  # overridden
@@ -49,7 +50,8 @@ def test_bench_rollout_kv_pool_like_vllm(tmp_path):
     for mode, gib, itemsize in (("none", 0.002, 4), ("all", 0.003, 1)):
         assert runs[mode]["kv_pages"] == int(gib * 2**30 // (page * itemsize)), mode
         assert runs[mode]["kv_pool_gib"] <= gib and runs[mode]["generated_tokens"] > 0
-    assert [runs[m]["bf16_copy_freed"] for m in ("none", "all")] == [False, True]
+    assert runs["none"]["fused_projections"] and runs["all"]["fused_projections"]
+    assert [runs[m]["bf16_copy_freed"] for m in ("none", "all")] == [True, True]
 
 
 def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
