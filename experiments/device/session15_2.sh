@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 15, call 2 (session 12 call 3, never run, with a shorter sweep) (one H200): FP8 paged attention with two kv heads per program (session 11, untimed; offline
+# Session 15, call 2 (one H200; planned in session 12 as session12_3.sh, never run there, shorter sweep here): FP8 paged attention with two kv heads per program (session 11, untimed; offline
 # sm_90 codegen: no spills at 2-4 pages / 2-4 warps, 3-4 CTAs per SM). In session 11's FP8 decode profile the
 # attention was 8.7 of 15.6 ms at 3.4 TB/s, where the BF16 kernel reads 4.2.
 #   1. the FP8 focus sweep (the kh=2 configs first) at the rollout's decode shape, with a tuning table of its best;

@@ -261,6 +261,8 @@ class JaxEngine:
         # the trainer's params -> the generator's layout: FP8 quantization and/or fusion (None: as given)
         self._prepare = _prepare_fn(model_config, block, fp8, self.fused,
                                     experts=fp8 or config.fuse_projections is True)
+        if self._prepare is not None and mesh is None:  # (a mesh's prepare runs per shard, on local shapes)
+            self._prepare = _checked_prepare(self._prepare, model_config)
         self._sharded_quantize = None  # with a mesh: _prepare (quantization only) jitted to the generator's layout
         self._reshard = None  # with a mesh: (params key, shardings, jitted reshard into the generator's layout)
         self.reshard_path = ""  # with a mesh: how the last update moved the params ("jit" or "device_put")
@@ -330,13 +332,13 @@ class JaxEngine:
         """Swaps in new parameters (re-quantized to FP8 when the engine runs W8A8); FP8 KV scales
         become stale and are recalibrated (or must be synced) before the next generation. With a
         mesh, the params are first resharded into the generator's layout (``last_sync`` times it)."""
-        _check_params(self.model_config, params)  # before the engine lets its current weights go
         if self.mesh is None:
             if self._prepare is None:
+                _check_params(self.model_config, params)
                 self.params = params
             else:  # the previous copy goes before the new one is built (peak memory: one copy, not two)
                 self.params = None
-                self.params = self._prepare(params)
+                self.params = self._prepare(params)  # checks the params when it traces a new signature
         else:
             self.params = self._sharded_update(params)
         self.kv_scales_fresh = False
@@ -348,6 +350,7 @@ class JaxEngine:
         t0 = time.perf_counter()
         key = jax.tree.structure(params), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(params))
         if self._reshard is None or self._reshard[0] != key:
+            _check_params(self.model_config, params)  # once per signature, before the weights are replaced
             shardings = param_shardings(params, self.model_config, self.mesh, preset)
             # one compiled program moves every array (device_put reshards leaf by leaf: one
             # transfer program per array, ~400 for a Qwen3)
@@ -929,9 +932,11 @@ def _param_shapes(model_config: ModelConfig) -> dict[tuple, tuple[int, ...]]:
 
 
 def _check_params(model_config: ModelConfig, params: Any) -> None:
-    """`JaxEngine.update_weights`' input check (host-side, shapes only): an ``nnx.State`` must hold
-    every parameter of ``model_config`` in the Hugging Face layout (dense of any float dtype, or
-    FP8 ``QuantizedWeight``), else a ``ValueError`` names the first one missing or misshapen."""
+    """`JaxEngine.update_weights`' input check (shapes only, host values or tracers): an
+    ``nnx.State`` must hold every parameter of ``model_config`` in the Hugging Face layout (dense of
+    any float dtype, or FP8 ``QuantizedWeight``), else a ``ValueError`` names the first one missing
+    or misshapen. ~6 ms on the host for Qwen3-8B (flattening the State), so the jitted paths run it
+    once per input signature (`_checked_prepare`, the mesh's reshard), not on every sync."""
     if not isinstance(params, nnx.State):
         return  # other pytrees go to the prepare step as given
     got = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(params)}
@@ -942,6 +947,18 @@ def _check_params(model_config: ModelConfig, params: Any) -> None:
         have = tuple(getattr(got[path], "shape", ()))
         if have != shape:
             raise ValueError(f"update_weights: parameter {name} has shape {have}, the model expects {shape}")
+
+
+@functools.lru_cache(maxsize=32)
+def _checked_prepare(prepare: Callable[[Any], Any], model_config: ModelConfig) -> Callable[[Any], Any]:
+    """``prepare`` jitted behind `_check_params`, which runs at trace time: once per input
+    signature, and again for any params of another structure or shape."""
+
+    def run(params):
+        _check_params(model_config, params)
+        return prepare(params)
+
+    return jax.jit(run)
 
 
 @functools.lru_cache(maxsize=32)
