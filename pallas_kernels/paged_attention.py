@@ -87,7 +87,9 @@ Tuning: `default_config` takes the config measured fastest for the pool dtype on
 from ``paged_attention_tuning.json`` (``main --tuning-out``, or another table named by
 ``FP8RL_PAGED_ATTENTION_TUNING``); on the H200 at B = 256, context <= 2048: BF16 8 pages/block,
 4 warps, 2 stages, 82.3% of the HBM copy ceiling; FP8 4 pages/block, 2 warps, 5 stages, float16
-dots with the word gather, 64.4% (bfloat16 dots at best 46%). One-warp configs time a little
+dots with the word gather, 64.4% (bfloat16 dots at best 46%). Session 16: the same configs with a row's kv
+heads launched side by side (``heads_fastest``) 86.0% / 66.7%, against 82.1% / 64.3% rows-fastest on that
+machine (about 1% of W1 kv's decode step in the engine); the HND layout timed 88.2% / 68.7%. One-warp configs time a little
 faster (82.7% BF16, 65.8% FP8) but every W1 rollout that decoded with one stopped advancing
 15-60 s in (sessions 5-6; the cause is not known: alone, 20 s of back-to-back calls at W1's shapes
 did not stall them), so the table holds configs of 2 warps or more, which ran W1 to the end.
@@ -178,6 +180,11 @@ class PagedAttentionConfig:
         the NHD layout the heads of a token are adjacent: one 128-byte FP8 row per head becomes a
         ``heads x 128``-byte run). Each head keeps its own softmax state and dots. Where it does not
         divide the kv heads, the largest power of two that does is used.
+      heads_fastest: the launch order of the programs. False: rows vary fastest (CUDA's x axis), so the
+        programs resident at one time cover every row for two or three kv heads. True: kv heads vary
+        fastest, so the programs of one row's kv heads run side by side and read the same tokens' K/V
+        rows together (in the NHD layout one token's heads are adjacent: 8 x 128 bytes of FP8 at
+        Qwen3's 8 kv heads, where one program reads one 128-byte run). Same results, bit for bit.
     """
 
     pages_per_block: int = 8
@@ -188,6 +195,7 @@ class PagedAttentionConfig:
     fp8_dot_dtype: str = "bfloat16"
     fp8_word_gather: bool = False
     kv_heads_per_program: int = 1
+    heads_fastest: bool = False
 
     def __post_init__(self):
         if not _pow2(self.kv_heads_per_program):
@@ -295,7 +303,7 @@ def _word_gather(config: PagedAttentionConfig, pool_dtype, cdt, head_dim: int) -
 def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, num_splits: int,
                    pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int, cdt,
                    planes: int = 1, asm: bool = False, rows_out: int | None = None, heads: int = 1,
-                   hnd: bool = False):
+                   hnd: bool = False, heads_fastest: bool = False):
     """Refs: len [B], pt [B, max_pages + pages_per_block], scale [2] (k_scale * H^-0.5, v_scale),
     q [Gp, H], k/v [P, page_size, H / planes] (this kv head); out [Gp, H] (S == 1) or o [Gp, H]
     f32 and lse [Gp] f32. ``cdt``: the dots' operand dtype (`_dot_dtype`). ``planes`` = 4: the
@@ -305,8 +313,9 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     ``Gp`` computed), so the padding rows cost no output bytes. ``heads`` > 1 (`kv_heads_per_program`):
     q, out, o and lse gain a leading axis of that many kv heads and k/v are [P, page_size, heads, H /
     planes] ([P, heads, page_size, H / planes] with ``hnd``); the heads share the block loop and its
-    page ids, each with its own softmax state."""
-    b, s = pl.program_id(0), pl.program_id(2)
+    page ids, each with its own softmax state. ``heads_fastest``: the grid is (heads, B, S) instead of
+    (B, heads, S)."""
+    b, s = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
     gp, h = q_ref.shape[-2:]
     ps, hw = (k_ref.shape[2], k_ref.shape[3]) if heads > 1 and hnd else (k_ref.shape[1], k_ref.shape[-1])
     bp = pages_per_block
@@ -445,31 +454,37 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     kernel = functools.partial(_decode_kernel, num_splits=S, pages_per_block=bp,
                                pages_per_split=config.pages_per_split, max_pages=max_pages, num_pages=P,
                                cdt=cdt, planes=planes, asm=not interpret, rows_out=go, heads=kh,
-                               hnd=layout is KvLayout.HND)
+                               hnd=layout is KvLayout.HND, heads_fastest=config.heads_fastest)
     hw = H // planes
     hb = None if kh == 1 else kh  # the head axis of a block: squeezed for one head per program
+
+    def spec(block, index_map):  # index maps are written for the (b, k, s) grid
+        if config.heads_fastest:
+            return pl.BlockSpec(block, lambda k, b, s: index_map(b, k, s))
+        return pl.BlockSpec(block, index_map)
+
     in_specs = [
-        pl.BlockSpec((B,), lambda b, k, s: (0,)),
-        pl.BlockSpec((B, max_pages + bp), lambda b, k, s: (0, 0)),
-        pl.BlockSpec((2,), lambda b, k, s: (0,)),
-        pl.BlockSpec((None, hb, gp, H), lambda b, k, s: (b, k, 0, 0)),
+        spec((B,), lambda b, k, s: (0,)),
+        spec((B, max_pages + bp), lambda b, k, s: (0, 0)),
+        spec((2,), lambda b, k, s: (0,)),
+        spec((None, hb, gp, H), lambda b, k, s: (b, k, 0, 0)),
     ]
     if layout is KvLayout.HND:  # with one head per program the kernel sees [P, page_size, H] either way
-        pool_spec = pl.BlockSpec((P, hb, ps, hw), lambda b, k, s: (0, k, 0, 0))
+        pool_spec = spec((P, hb, ps, hw), lambda b, k, s: (0, k, 0, 0))
     else:
-        pool_spec = pl.BlockSpec((P, ps, hb, hw), lambda b, k, s: (0, 0, k, 0))
+        pool_spec = spec((P, ps, hb, hw), lambda b, k, s: (0, 0, k, 0))
     in_specs += [pool_spec, pool_spec]
     if S == 1:
-        out_specs = pl.BlockSpec((None, hb, go, H), lambda b, k, s: (b, k, 0, 0))
+        out_specs = spec((None, hb, go, H), lambda b, k, s: (b, k, 0, 0))
         out_shape = jax.ShapeDtypeStruct((B, K, go, H), q.dtype)
     else:
-        out_specs = [pl.BlockSpec((None, None, hb, go, H), lambda b, k, s: (s, b, k, 0, 0)),
-                     pl.BlockSpec((None, None, hb, go), lambda b, k, s: (s, b, k, 0))]
+        out_specs = [spec((None, None, hb, go, H), lambda b, k, s: (s, b, k, 0, 0)),
+                     spec((None, None, hb, go), lambda b, k, s: (s, b, k, 0))]
         out_shape = [jax.ShapeDtypeStruct((S, B, K, go, H), jnp.float32),
                      jax.ShapeDtypeStruct((S, B, K, go), jnp.float32)]
     res = pl.pallas_call(
         kernel,
-        grid=(B, K // kh, S),
+        grid=(K // kh, B, S) if config.heads_fastest else (B, K // kh, S),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -763,6 +778,13 @@ def main(argv: list[str] | None = None) -> int:
                              "rollout whose decode used a one-warp config stopped advancing 15-60 s in (H200, "
                              "sessions 5-6), while 2- and 4-warp configs ran W1 to the end (session 7); alone, "
                              "the one-warp configs did not stall (experiments/paged_attention_stall_hunt.py)")
+    parser.add_argument("--table-only", action="store_true",
+                        help="time the tuning table's config of each pool dtype only (with --orders / --kv-heads "
+                             "variants), no sweep")
+    parser.add_argument("--orders", nargs="*", default=["rows"], choices=["rows", "heads"],
+                        help="launch orders to time every config in (`PagedAttentionConfig.heads_fastest`)")
+    parser.add_argument("--kv-heads", type=int, nargs="*", default=None,
+                        help="also time every config with these kv_heads_per_program")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="after this many seconds, time the default config only (keeps a device run bounded)")
     args = parser.parse_args(argv)
@@ -774,7 +796,13 @@ def main(argv: list[str] | None = None) -> int:
     sweep = wide_sweep() if args.wide else fp8_sweep() if args.fp8_focus else SWEEP_CONFIGS
     # the table's config (this device's measured best, if any) is timed first, next to DEFAULT_CONFIG
     first = tuple(dict.fromkeys(default_config(jnp.dtype(d)) for d in args.dtypes))
-    configs = (DEFAULT_CONFIG,) if args.quick else tuple(dict.fromkeys((DEFAULT_CONFIG, *first, *sweep)))
+
+    def variants(cs):  # each config in every launch order (and kv heads per program) asked for
+        return tuple(dict.fromkeys(dataclasses.replace(c, heads_fastest=o == "heads", kv_heads_per_program=kh)
+                                   for c in cs for kh in (c.kv_heads_per_program, *(args.kv_heads or ()))
+                                   for o in args.orders))
+
+    configs = variants((DEFAULT_CONFIG,) if args.quick else tuple(dict.fromkeys((DEFAULT_CONFIG, *first, *sweep))))
     results, tuned = [], {}
     for batch in args.batch:  # bf16 and fp8 side by side per shape, so a cut-short run compares them
         for context in args.context:
@@ -789,10 +817,10 @@ def main(argv: list[str] | None = None) -> int:
                         kp, vp = (jnp.transpose(x, (0, 2, 1, 3)) for x in (kp_nhd, vp_nhd))
                     else:
                         kp, vp = kp_nhd, vp_nhd
-                    shape_configs = configs
-                    if jnp.dtype(dtype_name) == _FP8 and not args.fp8_focus:
-                        shape_configs = tuple(dict.fromkeys(dataclasses.replace(c, fp8_dot_dtype=d) for c in configs
-                                                            for d in args.fp8_dot_dtypes))
+                    shape_configs = variants((default_config(jnp.dtype(dtype_name)),)) if args.table_only else configs
+                    if jnp.dtype(dtype_name) == _FP8 and not (args.fp8_focus or args.table_only):
+                        shape_configs = tuple(dict.fromkeys(dataclasses.replace(c, fp8_dot_dtype=d)
+                                                            for c in shape_configs for d in args.fp8_dot_dtypes))
                     row = _bench_shape(args, t_start, shape_configs, layout, dtype_name, batch, context, nbytes,
                                        ref, (q, kp, vp, ks, vs, table, lengths))
                     results.append(row)
@@ -851,6 +879,10 @@ def _bench_shape(args, t_start, configs, layout, dtype_name, batch, context, nby
             row["configs"].append({"config": dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
         gbs = nbytes / (ms * 1e-3) / 1e9
+        if args.table_only:
+            print(f"  {dtype_name} {layout.value} kh={run_cfg.kv_heads_per_program} "
+                  f"heads_fastest={run_cfg.heads_fastest}: {ms:.4f} ms, {100 * gbs / (HBM_COPY_TBPS * 1e3):.1f}%",
+                  flush=True)
         row["configs"].append({"config": dataclasses.asdict(run_cfg), "ms": ms, "GBps": gbs,
                                "pct_copy_ceiling": 100 * gbs / (HBM_COPY_TBPS * 1e3), "max_rel_err": err})
         if best is None or ms < best[1]:
@@ -862,6 +894,7 @@ def _bench_shape(args, t_start, configs, layout, dtype_name, batch, context, nby
         print(f"{dtype_name:14s} {layout.value} B={batch:4d} ctx<={context:5d}: {best[2]:7.1f} GB/s "
               f"({100 * best[2] / (HBM_COPY_TBPS * 1e3):4.1f}% of {HBM_COPY_TBPS} TB/s), {best[1]:.3f} ms, "
               f"pps={c.pages_per_split} bp={c.pages_per_block} w={c.num_warps} st={c.num_stages} "
+              f"kh={c.kv_heads_per_program} heads_fastest={c.heads_fastest} "
               f"dot={c.fp8_dot_dtype}, err {best[3]:.1e} ({len(row['configs'])} configs)", flush=True)
     else:
         print(f"{dtype_name} {layout.value} B={batch} ctx={context}: every config failed", flush=True)

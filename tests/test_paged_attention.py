@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -92,6 +93,20 @@ def attention_f64(q64, row_kv, K, rows=None):
         p /= p.sum(-1, keepdims=True)
         out.append(np.einsum("kgs,skh->kgh", p, vals).reshape(N, H))
     return np.stack(out)
+
+
+def _pallas_grid(fn, *args) -> tuple:
+    """The grid of the (first) pallas_call that ``fn(*args)`` traces to."""
+    def find(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                return e.params["grid_mapping"].grid
+            for sub in jex.core.jaxprs_in_params(e.params):
+                if (g := find(sub)) is not None:
+                    return g
+        return None
+
+    return find(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 CASES = {
@@ -216,6 +231,29 @@ class TestPagedAttentionInterpret:
                                   layout=layout)
         np.testing.assert_array_equal(np.asarray(many.astype(F32)), np.asarray(one.astype(F32)))
         assert _max_rel(many, attention_f64(q64, row_kv, kw["K"])) < TOL_F64[kw["q_dtype"]]
+
+    @pytest.mark.parametrize("name,heads,layout", [
+        ("f32-split4-ragged", 1, pa.KvLayout.NHD), ("fp8-bf16q-f16dots-words", 1, pa.KvLayout.NHD),
+        ("fp8-bf16q-G3-split", 2, pa.KvLayout.HND), ("bf16-nosplit", 1, pa.KvLayout.NHD)])
+    def test_heads_fastest_launch_order_gives_the_same_bits(self, name, heads, layout):
+        """The (kv heads, rows, splits) grid computes every program as the (rows, kv heads, splits) one
+        does: the same bits, splits, word gathers and several heads per program included."""
+        kw, lengths, cfg = CASES[name]
+        cfg = dataclasses.replace(cfg, kv_heads_per_program=heads)
+        args, q64, row_kv = make_case(len(name) + 7, lengths, **kw)
+        q, kp, vp, ks, vs, table, lens = args
+        if layout is pa.KvLayout.HND:
+            kp, vp = jnp.transpose(kp, (0, 2, 1, 3)), jnp.transpose(vp, (0, 2, 1, 3))
+        rows = pa.paged_attention(q, kp, vp, ks, vs, table, lens, config=cfg, interpret=self.INTERPRET, layout=layout)
+        heads_cfg = dataclasses.replace(cfg, heads_fastest=True)
+        got = pa.paged_attention(q, kp, vp, ks, vs, table, lens, config=heads_cfg, interpret=self.INTERPRET,
+                                 layout=layout)
+        np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(rows.astype(F32)))
+        assert _max_rel(got, attention_f64(q64, row_kv, kw["K"])) < TOL_F64[kw["q_dtype"]]
+        B, K = q.shape[0], kw["K"] // pa.kv_heads_per_program(cfg, kw["K"])
+        grids = [_pallas_grid(lambda *a, c=c: pa.paged_attention(*a, config=c, interpret=True, layout=layout),
+                              q, kp, vp, ks, vs, table, lens) for c in (cfg, heads_cfg)]
+        assert [g[:2] for g in grids] == [(B, K), (K, B)]
 
     def test_long_context_fp8_error_flat(self):
         """FP8 KV against float32 KV at 1k and 8k keys: the error does not grow with context.
