@@ -228,6 +228,7 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
                 "kv_pool_gib": engine.kv_pool_bytes / 2**30,
                 "bf16_copy_freed": standalone,
                 "fused_projections": engine.fused,  # q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections)
+                "fused_cast": engine.config.fused_cast,  # BF16 GEMMs write BF16 (EngineConfig.fused_cast)
                 "fp8_gemm": cfg.engine.fp8_gemm.describe() if mode.fp8_weights else None,  # Mosaic, cuBLASLt or per shape
                 "full_length_sequences_that_fit": engine.sequences_that_fit,
                 "repeats": len(runs),
@@ -421,7 +422,9 @@ if __name__ == "__main__":
     ap.add_argument("--sync-repeats", type=int, default=BenchConfig.sync_repeats,
                     help="weight syncs (update_weights) timed per mode; the median is reported")
     ap.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto",
-                    help="q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections; auto: FP8 weights only)")
+                    help="q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections; auto: on, on one device)")
+    ap.add_argument("--fused-cast", choices=["on", "off"], default="on",
+                    help="EngineConfig.fused_cast: the BF16 GEMMs write BF16 themselves (off: float32 + a convert)")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="the dense FP8 GEMM of the w8a8/all modes (EngineConfig.fp8_gemm): our Mosaic kernel or "
                          "cuBLASLt's block-scaled FP8; auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic")
@@ -471,7 +474,7 @@ if __name__ == "__main__":
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
                                  max_slots=a.max_slots, overlap_host=not a.no_overlap_host,
                                  fuse_projections={"auto": None, "on": True, "off": False}[a.fuse_projections],
-                                 fp8_gemm=GemmBackend(a.fp8_gemm), **sizing)
+                                 fp8_gemm=GemmBackend(a.fp8_gemm), fused_cast=a.fused_cast == "on", **sizing)
     model = PRESETS[a.preset]
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)

@@ -114,7 +114,7 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
     ec = EngineConfig(max_slots=args.batch, page_size=ps, num_pages=pages, max_seq_len=max_seq,
                       steps_per_call=args.steps, precision=mode, dtype=args.dtype,
                       fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
-                      fp8_gemm=GemmBackend(args.fp8_gemm))
+                      fp8_gemm=GemmBackend(args.fp8_gemm), fused_cast=args.fused_cast == "on")
     engine = JaxEngine(cfg, params, ec)
     lengths, rest = setup(engine, args.batch, args.context, args.seed)
 
@@ -187,7 +187,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fuse-projections", choices=["auto", "on", "off"], default="auto",
-                    help="EngineConfig.fuse_projections (auto: on for FP8 weights)")
+                    help="EngineConfig.fuse_projections (auto: on, on one device)")
+    ap.add_argument("--fused-cast", choices=["on", "off"], default="on",
+                    help="EngineConfig.fused_cast: the BF16 GEMMs write BF16 themselves (off: float32 + a convert)")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic)")
     ap.add_argument("--no-trace", action="store_true")

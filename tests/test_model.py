@@ -163,6 +163,46 @@ def test_bfloat16_policy_runs_in_bfloat16():
     assert 0 < rel_err(lo, hi) < 5e-2
 
 
+def _dot_outputs(fn, *args) -> list:
+    """The output dtypes of the dot_general / ragged_dot_general equations ``fn(*args)`` traces to."""
+    eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    return [e.outvars[0].aval.dtype for e in eqns if e.primitive.name in ("dot_general", "ragged_dot_general")]
+
+
+def test_fused_cast_gemms_write_bfloat16_with_float32_accumulation():
+    """``fused_cast``: the GEMM itself writes BF16 (no float32 result and convert); its values are the
+    float64 product's rounding to BF16 (float32 accumulation), as the default float32-then-cast path's are;
+    the model under it computes the same logits within BF16 rounding; W8A8's dense sites follow the flag."""
+    from fp8rl_jax.quant.policy import W8A8Policy
+
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((37, 3072)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((200, 3072)), jnp.bfloat16)
+    site = Site(0, Proj.UP)
+    fused, plain = DensePolicy("bfloat16", fused_cast=True), DensePolicy("bfloat16")
+    assert _dot_outputs(lambda x, w: fused.dot(x, w, site), x, w) == [jnp.bfloat16]
+    assert _dot_outputs(lambda x, w: plain.dot(x, w, site), x, w) == [jnp.float32]
+    assert _dot_outputs(lambda x, w: W8A8Policy(fused_cast=True).dot(x, w, site), x, w) == [jnp.bfloat16]
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    for pol in (fused, plain):
+        y = pol.dot(x, w, site)
+        assert y.dtype == jnp.bfloat16
+        # one BF16 rounding (2^-9 relative) of a float32-accumulated sum over K = 3072
+        np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2**-8, atol=2**-8 * np.abs(ref).max() / 64)
+    gs = jnp.asarray([10, 0, 27], jnp.int32)
+    we = jnp.asarray(rng.standard_normal((3, 64, 3072)), jnp.bfloat16)
+    assert _dot_outputs(lambda x, w: fused.ragged_dot(x, w, gs, site), x, we) == [jnp.bfloat16]
+    ragged = np.asarray(fused.ragged_dot(x, we, gs, site), np.float64)
+    rows = np.repeat(np.arange(3), np.asarray(gs))
+    ref_r = np.einsum("mk,mnk->mn", np.asarray(x, np.float64), np.asarray(we, np.float64)[rows])
+    np.testing.assert_allclose(ragged, ref_r, rtol=2**-8, atol=2**-8 * np.abs(ref_r).max() / 64)
+    params = init_params(tiny_qwen3, jax.random.key(5), jnp.bfloat16)
+    tokens = rng.integers(0, tiny_qwen3.vocab_size, (2, 8)).astype(np.int32)
+    lo = np.asarray(forward(params, tokens, config=tiny_qwen3, policy=fused)[0])
+    hi = np.asarray(forward(params, tokens, config=tiny_qwen3, policy=F32)[0])
+    assert 0 < rel_err(lo, hi) < 5e-2
+
+
 def test_fp32_master_weights_with_bf16_compute():
     """FP32 parameters under a BF16 policy compute in BF16 (the trainer's mixed precision)."""
     params = init_params(tiny_qwen3, jax.random.key(6), jnp.float32)

@@ -128,10 +128,21 @@ class DensePolicy(MatmulPolicy):
     (``pallas_kernels.fp8_grouped_gemm.grouped_gemm``) when it says so. Off (``REFERENCE``) by
     default: the kernel has no VJP, so only the generator turns it on (``AUTO``), where XLA's
     ``ragged_dot`` measured ~5 TFLOP/s on the H200 against 135-145 for the grouped kernel's FP8
-    twin. The kernel is a custom call XLA cannot partition: sharded engines keep ``REFERENCE``."""
+    twin. The kernel is a custom call XLA cannot partition: sharded engines keep ``REFERENCE``.
+
+    ``fused_cast``: the GEMM writes the compute dtype itself (``preferred_element_type`` = the compute
+    dtype) instead of float32 that a separate convert then rounds. Accumulation stays float32 (cuBLAS and
+    XLA's Triton GEMMs accumulate BF16 products in float32; on the CPU the results are the same bits), and
+    the output is the same rounding of it, but XLA does not fold a cast of a float32 GEMM result into the
+    GEMM's epilogue: on the H200 each such cast ran as its own kernel (the Qwen3-8B decode step's gate/up
+    and q/k/v casts ~0.4 ms of 17.6, plus the float32 writes). The generator turns it on. Off by default:
+    under ``jax.grad`` it also makes the backward GEMMs BF16 x BF16 (today the float32 cotangent meets BF16
+    operands, which the GPU runs as float32 GEMMs), a change to the trainer's numerics and speed that is
+    not yet measured."""
 
     dtype: str = "bfloat16"
     ragged_kernels: Kernels = Kernels.REFERENCE
+    fused_cast: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
@@ -147,13 +158,18 @@ class DensePolicy(MatmulPolicy):
     def _precision(self) -> jax.lax.Precision:
         return matmul_precision(self.dtype)
 
+    @property
+    def _gemm_out(self) -> Any:
+        """The dtype the GEMMs write (``fused_cast``)."""
+        return self.compute_dtype if self.fused_cast else jnp.dtype(jnp.float32)
+
     def dot(self, x: jax.Array, w: jax.Array, site: Site) -> jax.Array:
         _check_dense(w, site)
         dt = self.compute_dtype
         lead = x.shape[:-1]
         y = jax.lax.dot_general(
             x.reshape(-1, x.shape[-1]).astype(dt), w.astype(dt), DENSE_DN, precision=self._precision,
-            preferred_element_type=jnp.float32,
+            preferred_element_type=self._gemm_out,
         )
         return y.astype(dt).reshape(*lead, w.shape[0])
 
@@ -167,6 +183,6 @@ class DensePolicy(MatmulPolicy):
                                 interpret=jax.default_backend() != "gpu")
         y = jax.lax.ragged_dot_general(
             x.astype(dt), w.astype(dt), group_sizes, RAGGED_DN, precision=self._precision,
-            preferred_element_type=jnp.float32,
+            preferred_element_type=self._gemm_out,
         )
         return y.astype(dt)

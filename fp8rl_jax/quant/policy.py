@@ -312,6 +312,7 @@ class W8A8Policy(MatmulPolicy):
     kernels: Kernels = Kernels.AUTO
     sharding: WeightSharding | None = None  # tensor parallelism: run the Pallas GEMMs per shard
     gemm: GemmBackend = GemmBackend.AUTO  # the dense FP8 GEMM on the GPU (resolved at trace time)
+    fused_cast: bool = False  # the dense (BF16) sites' GEMMs write the compute dtype (`DensePolicy.fused_cast`)
 
     @property
     def compute_dtype(self) -> Any:
@@ -319,7 +320,7 @@ class W8A8Policy(MatmulPolicy):
 
     @property
     def _dense(self) -> DensePolicy:
-        return DensePolicy(self.dtype)
+        return DensePolicy(self.dtype, fused_cast=self.fused_cast)
 
     def _per_shard(self, fn, site: Site, w: QuantizedWeight, x: jax.Array, *replicated: jax.Array) -> jax.Array:
         """``fn(x, q, scale_inv, *replicated, out_dtype)`` -> [M, N]: a Pallas GEMM, run per shard of
