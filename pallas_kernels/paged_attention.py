@@ -87,9 +87,10 @@ Tuning: `default_config` takes the config measured fastest for the pool dtype on
 from ``paged_attention_tuning.json`` (``main --tuning-out``, or another table named by
 ``FP8RL_PAGED_ATTENTION_TUNING``); on the H200 at B = 256, context <= 2048: BF16 8 pages/block,
 4 warps, 2 stages, 82.3% of the HBM copy ceiling; FP8 4 pages/block, 2 warps, 5 stages, float16
-dots with the word gather, 64.4% (bfloat16 dots at best 46%). Session 16: the same configs with a row's kv
-heads launched side by side (``heads_fastest``) 86.0% / 66.7%, against 82.1% / 64.3% rows-fastest on that
-machine (about 1% of W1 kv's decode step in the engine); the HND layout timed 88.2% / 68.7%. One-warp configs time a little
+dots with the word gather, 64.4% (bfloat16 dots at best 46%). Session 16: the same configs with a
+row's kv heads launched side by side (``heads_fastest``, now the table's) 86.0% / 66.7%, against
+82.1% / 64.3% rows-fastest on that machine (about 1% of W1 kv's decode step in the engine); the HND
+layout timed 88.2% / 68.7%. One-warp configs time a little
 faster (82.7% BF16, 65.8% FP8) but every W1 rollout that decoded with one stopped advancing
 15-60 s in (sessions 5-6; the cause is not known: alone, 20 s of back-to-back calls at W1's shapes
 did not stall them), so the table holds configs of 2 warps or more, which ran W1 to the end.
@@ -781,8 +782,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table-only", action="store_true",
                         help="time the tuning table's config of each pool dtype only (with --orders / --kv-heads "
                              "variants), no sweep")
-    parser.add_argument("--orders", nargs="*", default=["rows"], choices=["rows", "heads"],
-                        help="launch orders to time every config in (`PagedAttentionConfig.heads_fastest`)")
+    parser.add_argument("--orders", nargs="*", default=None, choices=["rows", "heads"],
+                        help="launch orders to time every config in (`PagedAttentionConfig.heads_fastest`; "
+                             "default: each config's own)")
     parser.add_argument("--kv-heads", type=int, nargs="*", default=None,
                         help="also time every config with these kv_heads_per_program")
     parser.add_argument("--max-seconds", type=float, default=None,
@@ -798,9 +800,10 @@ def main(argv: list[str] | None = None) -> int:
     first = tuple(dict.fromkeys(default_config(jnp.dtype(d)) for d in args.dtypes))
 
     def variants(cs):  # each config in every launch order (and kv heads per program) asked for
-        return tuple(dict.fromkeys(dataclasses.replace(c, heads_fastest=o == "heads", kv_heads_per_program=kh)
+        return tuple(dict.fromkeys(dataclasses.replace(c, heads_fastest=hf, kv_heads_per_program=kh)
                                    for c in cs for kh in (c.kv_heads_per_program, *(args.kv_heads or ()))
-                                   for o in args.orders))
+                                   for hf in ([c.heads_fastest] if args.orders is None else
+                                              [o == "heads" for o in args.orders])))
 
     configs = variants((DEFAULT_CONFIG,) if args.quick else tuple(dict.fromkeys((DEFAULT_CONFIG, *first, *sweep))))
     results, tuned = [], {}

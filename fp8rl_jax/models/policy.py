@@ -137,8 +137,8 @@ class DensePolicy(MatmulPolicy):
     GEMM's epilogue: on the H200 each such cast ran as its own kernel (the Qwen3-8B decode step's gate/up
     and q/k/v casts ~0.4 ms of 17.6, plus the float32 writes). The generator turns it on. Off by default:
     under ``jax.grad`` it also makes the backward GEMMs BF16 x BF16 (today the float32 cotangent meets BF16
-    operands, which the GPU runs as float32 GEMMs), a change to the trainer's numerics and speed that is
-    not yet measured."""
+    operands, which XLA upcasts to float32 GEMMs as far as we know: not checked in the H200's HLO yet), a
+    change to the trainer's numerics and speed that is not yet measured."""
 
     dtype: str = "bfloat16"
     ragged_kernels: Kernels = Kernels.REFERENCE
