@@ -151,8 +151,8 @@ class EngineConfig:
       fused_cast: the BF16 GEMMs (every linear of a BF16 generator, lm_head and router beside FP8 ones)
         write BF16 themselves (`DensePolicy.fused_cast`) instead of float32 that a convert kernel then
         rounds: the same float32 accumulation and rounding, without a kernel and a float32 write per GEMM
-        (H200 profile, session 15: the gate/up and q/k/v casts ~0.4 ms of a 17.6 ms Qwen3-8B kv step).
-        Default on; the end-to-end effect is not yet timed.
+        (H200, Qwen3-8B at 256 rows, session 17 A/B on one machine: none step 22.70 -> 22.11 ms, kv
+        17.04 -> 16.62). Default on.
     """
 
     max_slots: int = 32
