@@ -271,6 +271,11 @@ def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampli
         "preemptions": batch.preemptions,
         "roofline_step_ms_at_mean_context": step_bytes / HBM_BPS * 1e3,
         "roofline_tokens_per_s": slots / (step_bytes / HBM_BPS),
+        # every decode call in order: [ms per step, rows, mean context of a row at its start, host ms before its
+        # launch (JaxEngine.decode_log)], to set the step time along the run beside a profile of the same state
+        # (profile_decode.py --lengths equal --pages engine) and the host's time per call beside the device's
+        "decode_calls": [[round(s_ / cfg.engine.steps_per_call * 1e3, 3), n, round(c / max(n, 1), 1), round(h * 1e3, 2)]
+                         for s_, n, c, h in engine.decode_log],
     }
 
 

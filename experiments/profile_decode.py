@@ -2,8 +2,9 @@
 timed, then traced with the JAX profiler and summed per GPU kernel.
 
 The engine's cache is filled with a ragged batch (row lengths uniform in [context / 2, context],
-pages shuffled through the pool; the pool's contents are whatever it holds, which does not change
-the work) and ``_decode`` runs ``steps`` steps per call exactly as ``JaxEngine.generate`` runs
+pages shuffled through the pool; or, with ``--lengths equal --pages engine``, the state of W1's
+lockstep rows with pages placed as the engine hands them out; the pool's contents are whatever it
+holds, which does not change the work) and ``_decode`` runs ``steps`` steps per call exactly as ``JaxEngine.generate`` runs
 them. Reported per precision mode: ms per decode step (median of ``repeats`` calls), the HBM
 roofline of that step (weight bytes + KV bytes read, over 4.3 TB/s), and from one traced call
 the GPU time per kernel class (paged attention, GEMMs, sampling, the rest) and the idle gap.
@@ -84,18 +85,52 @@ def kernel_times(trace_dir: Path) -> tuple[dict[str, float], dict[str, float], f
     return dict(by_class), by_name, span, args
 
 
-def setup(engine: JaxEngine, batch: int, context: int, seed: int):
-    """Fills the engine's cache metadata with a ragged batch; returns the `_decode` arguments."""
+def page_table(need: np.ndarray, max_pages: int, pages: str, rng: np.random.Generator, prompt_pages: int = 0,
+               num_pages: int = 0) -> np.ndarray:
+    """``[B, max_pages]`` page ids for rows of ``need[b]`` pages. ``shuffled``: every row's pages drawn from a
+    random permutation of the ``num_pages`` pool. ``engine``: as `JaxEngine.generate` hands them out when all rows
+    are admitted at once and decode together (W1): row b's first ``prompt_pages`` (its prompt and first chunk)
+    contiguous, rows one after another, then one page per row per later chunk, the rows' pages side by side."""
+    B = len(need)
+    table = np.zeros((B, max_pages), np.int32)
+    if pages == "shuffled":
+        perm = rng.permutation(num_pages).astype(np.int32)
+        off = 0
+        for b in range(B):
+            table[b, : need[b]] = perm[off : off + need[b]]
+            off += need[b]
+        return table
+    if pages != "engine":
+        raise ValueError(f"pages must be 'shuffled' or 'engine', got {pages!r}")
+    first = np.minimum(need, prompt_pages)
+    starts = np.concatenate([[0], np.cumsum(first)[:-1]])
+    nxt = int(first.sum())
+    for b in range(B):
+        table[b, : first[b]] = starts[b] + np.arange(first[b])
+    for k in range(int((need - first).max(initial=0))):  # chunk k's page of every row still growing
+        for b in np.flatnonzero(need - first > k):
+            table[b, first[b] + k] = nxt
+            nxt += 1
+    return table
+
+
+def setup(engine: JaxEngine, batch: int, context: int, seed: int, lengths_mode: str = "uniform",
+          pages: str = "shuffled", prompt_len: int = 1024, calls: int = 1):
+    """Fills the engine's cache metadata with a batch; returns the `_decode` arguments. ``lengths_mode``:
+    ``uniform`` draws row lengths in [context / 2, context], ``equal`` gives every row ``context`` (W1's rows
+    decode in lockstep); ``pages``: `page_table`'s order (``engine``: prompts of ``prompt_len`` tokens); every
+    row gets the pages of the tokens ``calls`` decode calls add."""
     rng = np.random.default_rng(seed)
-    ps = engine.config.page_size
-    lengths = rng.integers(context // 2, context + 1, batch).astype(np.int32)
-    need = -(-(lengths + engine.config.steps_per_call) // ps)
-    perm = rng.permutation(engine.num_pages).astype(np.int32)
-    table = np.zeros((batch, engine.max_pages), np.int32)
-    off = 0
-    for b in range(batch):
-        table[b, : need[b]] = perm[off : off + need[b]]
-        off += need[b]
+    ps, steps = engine.config.page_size, engine.config.steps_per_call
+    if lengths_mode == "uniform":
+        lengths = rng.integers(context // 2, context + 1, batch).astype(np.int32)
+    elif lengths_mode == "equal":
+        lengths = np.full((batch,), context, np.int32)
+    else:
+        raise ValueError(f"lengths_mode must be 'uniform' or 'equal', got {lengths_mode!r}")
+    need = -(-(lengths + steps * calls) // ps)
+    table = page_table(need, engine.max_pages, pages, rng, prompt_pages=-(-(prompt_len + steps) // ps),
+                       num_pages=engine.num_pages)
     engine.cache = engine.cache.replace(page_table=jnp.asarray(table), lengths=jnp.asarray(lengths))
     reqs = [engine_mod._Request(b, [1] * int(lengths[b]), SamplingConfig(temperature=1.0, max_tokens=1 << 20,
                                                                             ignore_eos=True, seed=b), ())
@@ -116,7 +151,8 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
                       fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
                       fp8_gemm=GemmBackend(args.fp8_gemm), fused_cast=args.fused_cast == "on")
     engine = JaxEngine(cfg, params, ec)
-    lengths, rest = setup(engine, args.batch, args.context, args.seed)
+    lengths, rest = setup(engine, args.batch, args.context, args.seed, args.lengths, args.pages, args.prompt_len,
+                          calls=args.repeats + 2)  # compile, repeats, trace
 
     def call():
         out = engine_mod._decode(engine.params, engine.cache, *rest, steps=args.steps, **engine._static)
@@ -192,6 +228,12 @@ def main(argv=None) -> dict:
                     help="EngineConfig.fused_cast: the BF16 GEMMs write BF16 themselves (off: float32 + a convert)")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic)")
+    ap.add_argument("--lengths", choices=["uniform", "equal"], default="uniform",
+                    help="row lengths: uniform in [context / 2, context], or all equal to context (W1's lockstep rows)")
+    ap.add_argument("--pages", choices=["shuffled", "engine"], default="shuffled",
+                    help="page placement: shuffled through the pool, or as the engine hands pages out in W1 (each "
+                         "row's prompt pages contiguous, then one page per row per decode call, side by side)")
+    ap.add_argument("--prompt-len", type=int, default=1024, help="the prompt length of --pages engine")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--hlo", action="store_true",
                     help="also record the optimized HLO of the top XLA kernels (compiles the decode program again)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from conftest import cpu_devices_env
@@ -33,6 +34,11 @@ def test_bench_rollout_tiny(tmp_path):
         assert r["decode_step_ms"] > 0 and 0 < r["decode_batch_mean"] <= 4 and r["decode_hbm_fraction"] > 0
         # three timed generates on the warm engine; the row is the median one
         assert r["repeats"] == 3 and r["tokens_per_s"] == sorted(r["tokens_per_s_all"])[1]
+        # the decode calls, in order: their device time adds up to decode_s; rows and contexts within the run's
+        calls = np.asarray(r["decode_calls"], np.float64)
+        assert calls.ndim == 2 and calls.shape[1] == 4 and len(calls) >= 1 and (calls[:, 3] > 0).all()
+        assert abs(calls[:, 0].sum() * engine.steps_per_call / 1e3 - r["decode_s"]) < 1e-5 * len(calls) + 1e-9
+        assert ((calls[:, 1] >= 1) & (calls[:, 1] <= 4)).all() and ((calls[:, 2] >= 1) & (calls[:, 2] <= 32)).all()
 
 
 def test_bench_rollout_kv_pool_like_vllm(tmp_path):
@@ -108,6 +114,37 @@ def test_bench_rollout_vllm_backend_plumbing(tmp_path, monkeypatch):
     for r in res["runs"]:
         assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0 and r["backend"] == "vllm"
         assert len(r["weight_sync_runs_ms"]) == 3
+
+
+def test_profile_decode_page_orders():
+    """``--pages engine``: each row's first pages contiguous and rows one after another, then one page per row
+    per later call, rows side by side (what JaxEngine hands out to W1's lockstep rows); ``shuffled``: a random
+    draw. Either way every page of every row is distinct and in the pool, and nothing past a row's need is set."""
+    prof = _load("profile_decode")
+    rng = np.random.default_rng(0)
+    need = np.array([5, 7, 7, 2])
+    t = prof.page_table(need, 9, "engine", rng, prompt_pages=3)
+    assert t[0, :3].tolist() == [0, 1, 2] and t[1, :3].tolist() == [3, 4, 5] and t[3, :2].tolist() == [9, 10]
+    assert t[:3, 3].tolist() == [11, 12, 13] and t[:3, 4].tolist() == [14, 15, 16] and t[1:3, 5].tolist() == [17, 18]
+    for table in (t, prof.page_table(need, 9, "shuffled", rng, num_pages=40)):
+        used = np.concatenate([table[b, : need[b]] for b in range(4)])
+        assert len(set(used.tolist())) == need.sum() and used.max() < 40
+        assert all((table[b, need[b]:] == 0).all() for b in range(4))
+    with pytest.raises(ValueError, match="pages must be"):
+        prof.page_table(need, 9, "sorted", rng)
+
+
+def test_profile_decode_tiny(tmp_path):
+    """The profile runs the engine's decode loop on a tiny model on the CPU (no trace: no GPU kernels), from the
+    W1-like state too (equal lengths, the engine's page order)."""
+    prof = _load("profile_decode")
+    out = tmp_path / "profile.json"
+    res = prof.main(["--preset", "tiny_qwen3", "--batch", "4", "--context", "40", "--steps", "4", "--repeats", "2",
+                     "--modes", "none", "kv", "--dtype", "float32", "--lengths", "equal", "--pages", "engine",
+                     "--prompt-len", "24", "--no-trace", "--out", str(out)])
+    assert out.exists() and [r["mode"] for r in res["runs"]] == ["none", "kv"]
+    for r in res["runs"]:
+        assert r["step_ms"] > 0 and len(r["call_s"]) == 2 and r["kv_gb_per_step"] > 0 and "trace" not in r
 
 
 def test_bench_gemm_says_it_needs_a_gpu(capsys):

@@ -240,6 +240,7 @@ class _Chunk:
     state: tuple
     rows: int
     context: int
+    host_s: float  # host seconds from the last device call's observed completion to this call's launch returning
     device_s: float | None = None  # set when the host first waits for it
 
 
@@ -279,6 +280,13 @@ class JaxEngine:
                              "(num_experts = 0)")
         self.params = None
         self.stats: dict[str, float] = {}  # of the last generate: device-call counts, seconds, tokens (``_run``)
+        # of the last generate, one entry per decode call read, in order: (device seconds, rows running at its
+        # start, context tokens they read at its first step, host seconds from the previous call's observed
+        # completion to this one's launch). Benchmarks compare its step time along a run with a profile of the
+        # same state. A call's device seconds run until the host observes its completion, so they include any
+        # time the GPU then waited for the next launch: with ``overlap_host``, the GPU waits only where a host
+        # time exceeds the device time of the call in flight.
+        self.decode_log: list[tuple[float, int, int, float]] = []
         # called after every device call of a generate with a snapshot of its progress (``_progress``);
         # benchmarks use it to report throughput before a long run ends (or is cut)
         self.progress: Callable[[dict], None] | None = None
@@ -616,6 +624,7 @@ class JaxEngine:
         self._routing_mismatches = 0
         self.stats = dict.fromkeys(("prefill_calls", "prefill_tokens", "prefill_s", "decode_calls", "decode_steps",
                                     "decode_s", "decode_slot_steps", "decode_kv_tokens"), 0)
+        self.decode_log = []
         # device work completes in dispatch order: each call's device time runs from the later of its
         # dispatch and the previous call's observed completion to its own (``_completed``)
         self._clock = time.perf_counter()
@@ -803,11 +812,12 @@ class JaxEngine:
         t0 = time.perf_counter()
         toks, lps, codes, self.cache, routing, state = _decode(self.params, self.cache, last, active, sampling, stops,
                                                               remaining, steps=steps, **self._static)
+        host_s = time.perf_counter() - self._clock
         # KV tokens read (stats): each row running at the call's start reads its whole context every
         # step; for a continuing row the host's length lags by the chunk in flight (up to ``steps``)
         ctx = int(lengths[host_active].sum()) + int(cont.sum()) * steps
         return _Chunk(t0, reqs, [r.epoch if r is not None else 0 for r in reqs], (toks, lps, codes, routing), state,
-                      int(host_active.sum()), ctx)
+                      int(host_active.sum()), ctx, host_s)
 
     def _finish_decode(self, chunk: _Chunk, slots, lengths) -> None:
         """Reads a dispatched chunk's tokens into its requests: those still in their slot and not
@@ -820,6 +830,7 @@ class JaxEngine:
         n = chunk.rows
         self._count(decode_calls=1, decode_steps=steps, decode_s=chunk.device_s, decode_slot_steps=n * steps,
                     decode_kv_tokens=steps * chunk.context + n * steps * (steps + 1) // 2)
+        self.decode_log.append((chunk.device_s, n, chunk.context, chunk.host_s))
         routing = None if routing is None else np.asarray(routing)
         for s in range(B):
             r = chunk.reqs[s]
