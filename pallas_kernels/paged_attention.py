@@ -20,7 +20,8 @@ of every row (``kp[page_table]``), i.e. bytes proportional to the longest possib
 Grid and split-K (flash-decoding): one program per (row b, kv head k, split s). It handles all
 ``G = N / K`` query heads of its kv head (GQA: the KV tile is read once for the group), as a
 ``[Gp, H]`` tile with ``Gp = max(16, next_pow2(G))`` rows (the Triton dot needs M >= 16;
-the padding rows are zero and dropped). Row b of ``n = ceil(len / page_size)`` pages is
+the program loads the padding rows as zeros from q as given and stores only the real rows, so
+neither a padded q nor a padded output exists in memory). Row b of ``n = ceil(len / page_size)`` pages is
 split into ``S_b = min(ceil(n / pages_per_split), S)`` ranges of ``pps = ceil(n / S_b)``
 pages, ``S = min(ceil(max_pages / pages_per_split), max_splits)`` being the grid's static split
 axis; programs ``s >= S_b`` find an empty range and write an empty partial (lse = float32
@@ -174,7 +175,8 @@ class PagedAttentionConfig:
         offline codegen: 1317 -> ~810 SASS instructions per 32-token block at 2 pages, 1 warp; on
         the H200, B = 256, context <= 2k: 65.8% of the copy ceiling vs 60.0% for the best byte
         gather, both one- or two-warp configs).
-        q and the output are permuted to plane order outside the kernel. Ignored otherwise.
+        The kernel loads q and stores the output plane by plane at those head dims (natural order in
+        memory; until session 17 XLA permuted q and the output around the kernel). Ignored otherwise.
       kv_heads_per_program: kv heads one program attends (a power of two; the grid's head axis shrinks by
         it). Each block's page ids are loaded once for all of them and their K/V gathers are issued
         together, so a program has that many times the bytes in flight per dependent page-id load (in
@@ -303,21 +305,24 @@ def _word_gather(config: PagedAttentionConfig, pool_dtype, cdt, head_dim: int) -
 
 def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, num_splits: int,
                    pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int, cdt,
-                   planes: int = 1, asm: bool = False, rows_out: int | None = None, heads: int = 1,
+                   planes: int = 1, asm: bool = False, groups: int | None = None, heads: int = 1,
                    hnd: bool = False, heads_fastest: bool = False):
     """Refs: len [B], pt [B, max_pages + pages_per_block], scale [2] (k_scale * H^-0.5, v_scale),
-    q [Gp, H], k/v [P, page_size, H / planes] (this kv head); out [Gp, H] (S == 1) or o [Gp, H]
-    f32 and lse [Gp] f32. ``cdt``: the dots' operand dtype (`_dot_dtype`). ``planes`` = 4: the
-    pools are uint32 words of 4 E4M3 values and q, out are in plane order (column ``j * H/4 + c``
-    is head dim ``4c + j``), so the logits are the sum of 4 plane dots and P@V runs per plane.
-    ``rows_out``: the output rows stored (the real query heads of the group, the first rows of the
-    ``Gp`` computed), so the padding rows cost no output bytes. ``heads`` > 1 (`kv_heads_per_program`):
-    q, out, o and lse gain a leading axis of that many kv heads and k/v are [P, page_size, heads, H /
-    planes] ([P, heads, page_size, H / planes] with ``hnd``); the heads share the block loop and its
-    page ids, each with its own softmax state. ``heads_fastest``: the grid is (heads, B, S) instead of
-    (B, heads, S)."""
+    q [Gq, H], k/v [P, page_size, H / planes] (this kv head); out [Gq, H] (S == 1) or o [Gq, H]
+    f32 and lse [Gq] f32. ``groups`` (G, default Gq): the real query heads, the first rows of q; the
+    program computes ``Gp = max(16, Gq)`` rows (a Triton dot's M), loading rows past G as zeros and
+    storing only the first G, so q is not padded and no padding row costs output bytes. ``cdt``: the
+    dots' operand dtype (`_dot_dtype`). ``planes`` = 4: the pools are uint32 words of 4 E4M3 values,
+    split into 4 byte planes (plane j holds head dims ``4c + j``); the logits are the sum of 4 plane
+    dots and P@V runs per plane, q is loaded and the output stored plane by plane at those dims, in
+    the natural order. ``heads`` > 1 (`kv_heads_per_program`): q, out, o and lse gain a leading axis
+    of that many kv heads and k/v are [P, page_size, heads, H / planes] ([P, heads, page_size, H /
+    planes] with ``hnd``); the heads share the block loop and its page ids, each with its own softmax
+    state. ``heads_fastest``: the grid is (heads, B, S) instead of (B, heads, S)."""
     b, s = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
-    gp, h = q_ref.shape[-2:]
+    gq = q_ref.shape[-2]
+    gp = max(MIN_ROWS, gq)
+    g = gq if groups is None else groups
     ps, hw = (k_ref.shape[2], k_ref.shape[3]) if heads > 1 and hnd else (k_ref.shape[1], k_ref.shape[-1])
     bp = pages_per_block
     prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -330,10 +335,28 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     p_end = jnp.minimum(p_start + pps, n_pages)
     n_blocks = (jnp.maximum(p_end - p_start, 0) + bp - 1) // bp
 
+    # index tiles: [Gp, H / planes] for q (row r; the rows past G read zeros, their index clamped so that no
+    # address leaves the block) and [Gq, H / planes] for the output (its rows: an equal power-of-two split of
+    # the Gp computed, so the padding rows of the dots cost no output bytes); plane j's head dims are 4c + j
+    def tiles(n):
+        rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, hw))
+        return rows, [jnp.broadcast_to((jnp.arange(hw, dtype=jnp.int32) * planes + j)[None, :], (n, hw))
+                      for j in range(planes)]
+
+    q_rows, q_dims = tiles(gp)
+    q_real = q_rows < g
+    q_rows = jnp.minimum(q_rows, gq - 1)
+    o_rows, o_dims = tiles(gq)
+
+    def at(hd, *idx):  # a ref index of kv head ``hd`` (the leading head axis of kv_heads_per_program)
+        return (jnp.full(idx[0].shape, hd, jnp.int32), *idx) if heads > 1 else idx
+
+    def real(x):  # the first Gq rows (an equal power-of-two split: what Triton's lowering takes)
+        return x if gq == gp else jnp.split(x, gp // gq, axis=0)[0]
+
     def head_q(hd):
-        at = (hd,) if heads > 1 else ()
-        qs = ([q_ref[hd] if heads > 1 else q_ref[...]] if planes == 1 else
-              [q_ref[(*at, slice(None), pl.ds(j * hw, hw))] for j in range(planes)])
+        qs = [plgpu.load(q_ref.at[at(hd, q_rows, d2)], mask=q_real, other=jnp.zeros((gp, hw), q_ref.dtype))
+              for d2 in q_dims]
         if qs[0].dtype != cdt:  # bfloat16 -> float16: clamp to its range (no inf from a huge query)
             qs = [jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt) for q in qs]
         return qs
@@ -390,31 +413,14 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
                   tuple(jnp.zeros((gp, hw), jnp.float32) for _ in range(planes))) for _ in range(heads))
     states = jax.lax.fori_loop(0, n_blocks, body, init)
     o_ref = out_refs[0]
-    rows = gp if rows_out is None else rows_out
-
-    def real(x):  # the first ``rows`` rows (an equal power-of-two split: what Triton's lowering takes)
-        return x if rows == gp else jnp.split(x, gp // rows, axis=0)[0]
-
     for hd, (m, l, accs) in enumerate(states):
-        at = (hd,) if heads > 1 else ()
         has = l > 0
         inv = jnp.where(has, 1.0 / jnp.where(has, l, 1.0), 0.0)
-        for j, acc in enumerate(accs):
-            out = real(acc * (inv * v_scale)[:, None])
-            if num_splits == 1:
-                out = out.astype(o_ref.dtype)
-            if planes == 1 and heads > 1:
-                o_ref[hd] = out
-            elif planes == 1:
-                o_ref[...] = out
-            else:
-                o_ref[(*at, slice(None), pl.ds(j * hw, hw))] = out
+        for d2, acc in zip(o_dims, accs):
+            plgpu.store(o_ref.at[at(hd, o_rows, d2)], real(acc * (inv * v_scale)[:, None]).astype(o_ref.dtype))
         if num_splits > 1:
             lse = real(jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), _MASK_VALUE))
-            if heads > 1:
-                out_refs[1][hd] = lse
-            else:
-                out_refs[1][...] = lse
+            plgpu.store(out_refs[1].at[at(hd, jnp.arange(gq, dtype=jnp.int32))], lse)
 
 
 def _pool_dims(pages, layout: KvLayout) -> tuple[int, int, int, int]:
@@ -431,30 +437,29 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     B, N, H = q.shape
     P, ps, K, _ = _pool_dims(k_pages, layout)
     G = N // K
-    gp = max(MIN_ROWS, 1 << (G - 1).bit_length())
+    go = 1 << (G - 1).bit_length()  # the group's rows in q and out blocks (Triton block dims are powers of two)
     max_pages = page_table.shape[1]
     bp = config.pages_per_block
     S = config.grid_splits(max_pages)
     cdt = _dot_dtype(q.dtype, k_pages.dtype, config)
     planes = 4 if _word_gather(config, k_pages.dtype, cdt, H) else 1
+    # q as given (the kernel loads the Gp = max(16, go) rows of its dots, zeros past G, and each byte plane's
+    # head dims itself): no padded or permuted copy of q, no permutation of the output. Session 17's profile had
+    # XLA write q padded to 16 rows in plane order (0.21 ms per 8B decode step, with RoPE) and transpose the
+    # output back (0.08 ms).
     qg = q.reshape(B, K, G, H)
-    if planes > 1:  # plane order: column j * H/4 + c holds head dim 4c + j (byte j of word c)
-        qg = qg.reshape(B, K, G, H // 4, 4).swapaxes(-1, -2).reshape(B, K, G, H)
-        # [..., H] E4M3 -> [..., H/4] uint32, byte j of word c = dim 4c + j (a bitcast, no copy)
+    if go != G:  # a group that is no power of two: padding rows up to the next one
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, go - G), (0, 0)))
+    if planes > 1:  # [..., H] E4M3 -> [..., H/4] uint32, byte j of word c = dim 4c + j (a bitcast, no copy)
         k_pages, v_pages = (jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], H // 4, 4), jnp.uint32)
                             for x in (k_pages, v_pages))
-    if gp != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
     pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, bp)))
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()) * (H**-0.5),
                         jnp.asarray(v_scale, jnp.float32).reshape(())])
-    # only the G real rows of the padded group are written: with splits the float32 partials of the
-    # Gp rows were 4x the real ones at Qwen3's G = 4 (3.6 GB per 36-layer step at B = 256, S = 3)
-    go = G if _pow2(G) else gp
     kh = kv_heads_per_program(config, K)
     kernel = functools.partial(_decode_kernel, num_splits=S, pages_per_block=bp,
                                pages_per_split=config.pages_per_split, max_pages=max_pages, num_pages=P,
-                               cdt=cdt, planes=planes, asm=not interpret, rows_out=go, heads=kh,
+                               cdt=cdt, planes=planes, asm=not interpret, groups=G, heads=kh,
                                hnd=layout is KvLayout.HND, heads_fastest=config.heads_fastest)
     hw = H // planes
     hb = None if kh == 1 else kh  # the head axis of a block: squeezed for one head per program
@@ -468,7 +473,7 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
         spec((B,), lambda b, k, s: (0,)),
         spec((B, max_pages + bp), lambda b, k, s: (0, 0)),
         spec((2,), lambda b, k, s: (0,)),
-        spec((None, hb, gp, H), lambda b, k, s: (b, k, 0, 0)),
+        spec((None, hb, go, H), lambda b, k, s: (b, k, 0, 0)),
     ]
     if layout is KvLayout.HND:  # with one head per program the kernel sees [P, page_size, H] either way
         pool_spec = spec((P, hb, ps, hw), lambda b, k, s: (0, k, 0, 0))
@@ -502,10 +507,7 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
         for i in range(1, S):  # a fixed elementwise order (no reduction whose order depends on B)
             num, den = num + o[i] * w[i][..., None], den + w[i]
         out = num / jnp.maximum(den, 1e-30)[..., None]
-    out = out[:, :, :G]
-    if planes > 1:  # back from plane order
-        out = out.reshape(B, K, G, 4, H // 4).swapaxes(-1, -2)
-    return out.reshape(B, N, H).astype(q.dtype)
+    return out[:, :, :G].reshape(B, N, H).astype(q.dtype)
 
 
 def kv_heads_per_program(config: PagedAttentionConfig, num_kv_heads: int) -> int:
