@@ -309,9 +309,10 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
                    hnd: bool = False, heads_fastest: bool = False):
     """Refs: len [B], pt [B, max_pages + pages_per_block], scale [2] (k_scale * H^-0.5, v_scale),
     q [Gq, H], k/v [P, page_size, H / planes] (this kv head); out [Gq, H] (S == 1) or o [Gq, H]
-    f32 and lse [Gq] f32. ``groups`` (G, default Gq): the real query heads, the first rows of q; the
-    program computes ``Gp = max(16, Gq)`` rows (a Triton dot's M), loading rows past G as zeros and
-    storing only the first G, so q is not padded and no padding row costs output bytes. ``cdt``: the
+    f32 and lse [Gq] f32. ``groups`` (G, default Gq): the real query heads, the first rows of q (Gq is
+    G rounded up to a power of two); the program computes ``Gp = max(16, Gq)`` rows (a Triton dot's
+    M), loading rows past G as zeros and storing only the first Gq, so the dots' padding rows exist
+    neither in q nor in the output. ``cdt``: the
     dots' operand dtype (`_dot_dtype`). ``planes`` = 4: the pools are uint32 words of 4 E4M3 values,
     split into 4 byte planes (plane j holds head dims ``4c + j``); the logits are the sum of 4 plane
     dots and P@V runs per plane, q is loaded and the output stored plane by plane at those dims, in
