@@ -4,8 +4,8 @@ timed, then traced with the JAX profiler and summed per GPU kernel.
 The engine's cache is filled with a ragged batch (row lengths uniform in [context / 2, context],
 pages shuffled through the pool; or, with ``--lengths equal --pages engine``, the state of W1's
 lockstep rows with pages placed as the engine hands them out; the pool's contents are whatever it
-holds, which does not change the work) and ``_decode`` runs ``steps`` steps per call exactly as ``JaxEngine.generate`` runs
-them. Reported per precision mode: ms per decode step (median of ``repeats`` calls), the HBM
+holds, which does not change the work) and ``_decode`` runs ``steps`` steps per call exactly as
+``JaxEngine.generate`` runs them. Reported per precision mode: ms per decode step (median of ``repeats`` calls), the HBM
 roofline of that step (weight bytes + KV bytes read, over 4.3 TB/s), and from one traced call
 the GPU time per kernel class (paged attention, GEMMs, sampling, the rest) and the idle gap.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import enum
 import json
 import statistics
 import sys
@@ -85,23 +86,36 @@ def kernel_times(trace_dir: Path) -> tuple[dict[str, float], dict[str, float], f
     return dict(by_class), by_name, span, args
 
 
-def page_table(need: np.ndarray, max_pages: int, pages: str, rng: np.random.Generator, prompt_pages: int = 0,
+class PageOrder(enum.Enum):
+    """Where the rows' pages sit in the pool. SHUFFLED: drawn from a random permutation of the pool. ENGINE: as
+    `JaxEngine.generate` hands them out when all rows are admitted at once and decode together (W1): each row's
+    prompt pages contiguous, rows one after another, then one page per row per decode call, side by side."""
+
+    SHUFFLED = "shuffled"
+    ENGINE = "engine"
+
+
+class Lengths(enum.Enum):
+    """Row lengths: UNIFORM in [context / 2, context], or all EQUAL to context (W1's lockstep rows)."""
+
+    UNIFORM = "uniform"
+    EQUAL = "equal"
+
+
+def page_table(need: np.ndarray, max_pages: int, order: PageOrder, rng: np.random.Generator, prompt_pages: int = 0,
                num_pages: int = 0) -> np.ndarray:
-    """``[B, max_pages]`` page ids for rows of ``need[b]`` pages. ``shuffled``: every row's pages drawn from a
-    random permutation of the ``num_pages`` pool. ``engine``: as `JaxEngine.generate` hands them out when all rows
-    are admitted at once and decode together (W1): row b's first ``prompt_pages`` (its prompt and first chunk)
-    contiguous, rows one after another, then one page per row per later chunk, the rows' pages side by side."""
+    """``[B, max_pages]`` page ids for rows of ``need[b]`` pages in ``order`` (`PageOrder`; SHUFFLED draws from a
+    pool of ``num_pages``, ENGINE gives each row's first ``prompt_pages``, its prompt and first decode call,
+    contiguously)."""
     B = len(need)
     table = np.zeros((B, max_pages), np.int32)
-    if pages == "shuffled":
+    if order is PageOrder.SHUFFLED:
         perm = rng.permutation(num_pages).astype(np.int32)
         off = 0
         for b in range(B):
             table[b, : need[b]] = perm[off : off + need[b]]
             off += need[b]
         return table
-    if pages != "engine":
-        raise ValueError(f"pages must be 'shuffled' or 'engine', got {pages!r}")
     first = np.minimum(need, prompt_pages)
     starts = np.concatenate([[0], np.cumsum(first)[:-1]])
     nxt = int(first.sum())
@@ -114,22 +128,19 @@ def page_table(need: np.ndarray, max_pages: int, pages: str, rng: np.random.Gene
     return table
 
 
-def setup(engine: JaxEngine, batch: int, context: int, seed: int, lengths_mode: str = "uniform",
-          pages: str = "shuffled", prompt_len: int = 1024, calls: int = 1):
-    """Fills the engine's cache metadata with a batch; returns the `_decode` arguments. ``lengths_mode``:
-    ``uniform`` draws row lengths in [context / 2, context], ``equal`` gives every row ``context`` (W1's rows
-    decode in lockstep); ``pages``: `page_table`'s order (``engine``: prompts of ``prompt_len`` tokens); every
-    row gets the pages of the tokens ``calls`` decode calls add."""
+def setup(engine: JaxEngine, batch: int, context: int, seed: int, lengths: Lengths = Lengths.UNIFORM,
+          order: PageOrder = PageOrder.SHUFFLED, prompt_len: int = 1024, calls: int = 1):
+    """Fills the engine's cache metadata with a batch of ``lengths`` (`Lengths`) and pages in ``order``
+    (`PageOrder`; ENGINE: prompts of ``prompt_len`` tokens); every row gets the pages of the tokens ``calls``
+    decode calls add. Returns the row lengths and the `_decode` arguments."""
     rng = np.random.default_rng(seed)
     ps, steps = engine.config.page_size, engine.config.steps_per_call
-    if lengths_mode == "uniform":
+    if lengths is Lengths.UNIFORM:
         lengths = rng.integers(context // 2, context + 1, batch).astype(np.int32)
-    elif lengths_mode == "equal":
-        lengths = np.full((batch,), context, np.int32)
     else:
-        raise ValueError(f"lengths_mode must be 'uniform' or 'equal', got {lengths_mode!r}")
+        lengths = np.full((batch,), context, np.int32)
     need = -(-(lengths + steps * calls) // ps)
-    table = page_table(need, engine.max_pages, pages, rng, prompt_pages=-(-(prompt_len + steps) // ps),
+    table = page_table(need, engine.max_pages, order, rng, prompt_pages=-(-(prompt_len + steps) // ps),
                        num_pages=engine.num_pages)
     engine.cache = engine.cache.replace(page_table=jnp.asarray(table), lengths=jnp.asarray(lengths))
     reqs = [engine_mod._Request(b, [1] * int(lengths[b]), SamplingConfig(temperature=1.0, max_tokens=1 << 20,
@@ -151,8 +162,8 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
                       fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
                       fp8_gemm=GemmBackend(args.fp8_gemm), fused_cast=args.fused_cast == "on")
     engine = JaxEngine(cfg, params, ec)
-    lengths, rest = setup(engine, args.batch, args.context, args.seed, args.lengths, args.pages, args.prompt_len,
-                          calls=args.repeats + 2)  # compile, repeats, trace
+    lengths, rest = setup(engine, args.batch, args.context, args.seed, Lengths(args.lengths), PageOrder(args.pages),
+                          args.prompt_len, calls=args.repeats + 2)  # compile, repeats, trace
 
     def call():
         out = engine_mod._decode(engine.params, engine.cache, *rest, steps=args.steps, **engine._static)
@@ -228,9 +239,9 @@ def main(argv=None) -> dict:
                     help="EngineConfig.fused_cast: the BF16 GEMMs write BF16 themselves (off: float32 + a convert)")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic)")
-    ap.add_argument("--lengths", choices=["uniform", "equal"], default="uniform",
+    ap.add_argument("--lengths", choices=[m.value for m in Lengths], default=Lengths.UNIFORM.value,
                     help="row lengths: uniform in [context / 2, context], or all equal to context (W1's lockstep rows)")
-    ap.add_argument("--pages", choices=["shuffled", "engine"], default="shuffled",
+    ap.add_argument("--pages", choices=[m.value for m in PageOrder], default=PageOrder.SHUFFLED.value,
                     help="page placement: shuffled through the pool, or as the engine hands pages out in W1 (each "
                          "row's prompt pages contiguous, then one page per row per decode call, side by side)")
     ap.add_argument("--prompt-len", type=int, default=1024, help="the prompt length of --pages engine")
