@@ -78,12 +78,16 @@ def _child(out_path: str) -> None:
         (tg, lg, pg), (tr, lr, _) = got, ref
         # logprobs are compared where both runs produced the same tokens so far: after a token
         # differs, a row continues a different sequence
-        flat, identical = [], 0
+        flat, identical, ties = [], 0, []
         for x, y, lx, ly in zip(tg, tr, lg, lr):
             n = next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
             identical += x == y
             flat += [abs(a - b) for a, b in zip(lx[: n + 1], ly[: n + 1])]  # the first differing token too
-        results[name] = {"tokens_equal": tg == tr, "rows_identical": identical / len(tr),
+            if x != y and n < min(len(x), len(y)):
+                # each run's greedy token at the first difference, and its logprob: the two runs agree on
+                # every logprob up to summation order, so equal logprobs there mean a tie of two tokens
+                ties.append(abs(lx[n] - ly[n]))
+        results[name] = {"tokens_equal": tg == tr, "rows_identical": identical / len(tr), "tie_gaps": ties,
                          "lp_err": max(flat) if flat else 0.0, "lp_err_mean": float(np.mean(flat)) if flat else 0.0,
                          "preemptions": int(pg),
                          "pool_spec": list(engine.cache.k_pages[0].sharding.spec),
@@ -115,7 +119,7 @@ def _child(out_path: str) -> None:
     eng = JaxEngine(CFG, params, tiny, mesh=mesh2)
     compare("tp2_preempt", run(eng), ref_tiny, eng)
     results["tp2_preempt"]["ref_preemptions"] = int(ref_tiny[2])
-    results["tp2_preempt"]["same_as_roomy"] = ref_tiny[0] == ref[0]
+    compare("preempt_vs_roomy", ref_tiny, ref, eng)  # one device: recomputed prefixes vs decoded ones
     # the RL loop's sync: trainer params FSDP-sharded over all 8 devices -> the generator's TP layout
     perturbed = jax.tree.map(lambda p: p * 1.01, params)
     ref_perturbed = run(JaxEngine(CFG, perturbed, base))
@@ -206,9 +210,18 @@ def multi(tmp_path_factory):
                                   "tp2_after_fsdp2_sync"])
 def test_tensor_parallel_greedy_equals_one_device(multi, case):
     rec = multi[case]
-    assert rec["tokens_equal"], (multi["seed"], rec)
-    assert rec["lp_err"] < LP_TOL, (multi["seed"], rec)
+    _assert_same_greedy(rec, multi["seed"])
     assert rec["pool_spec"][:3] == [None, None, "tensor"] and rec["pool_devices"] in (2, 4)  # split on kv heads
+
+
+def _assert_same_greedy(rec, seed):
+    """Same tokens, logprobs equal up to float32 summation order. A row may part from the reference
+    only at a tie: random float32 weights make two top logits equal to within summation order now and
+    then (CI's seed 131518682: one row of six in every TP case), and either argmax is then right. At the
+    first differing token both runs' greedy tokens have logprobs equal within LP_TOL (``tie_gaps``, also
+    in ``lp_err``); a run that computed another distribution would move it by far more."""
+    assert rec["lp_err"] < LP_TOL, (seed, rec)
+    assert rec["tokens_equal"] or (rec["rows_identical"] >= 0.5 and max(rec["tie_gaps"]) < LP_TOL), (seed, rec)
 
 
 def test_generator_layout_and_pool_size(multi):
@@ -225,7 +238,8 @@ def test_generator_layout_and_pool_size(multi):
 
 def test_preemption_and_weight_sync_under_tp(multi):
     rec = multi["tp2_preempt"]
-    assert rec["preemptions"] > 0 and rec["ref_preemptions"] > 0 and rec["same_as_roomy"]
+    assert rec["preemptions"] > 0 and rec["ref_preemptions"] > 0
+    _assert_same_greedy(multi["preempt_vs_roomy"], multi["seed"])
     sync = multi["tp2_after_fsdp_sync"]
     assert sync["changed"] and set(sync["last_sync"]) == {"reshard_s", "quantize_s"}
     # params on the generator's devices move in one compiled program; from other devices leaf by leaf
