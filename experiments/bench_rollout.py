@@ -47,7 +47,7 @@ from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params  # noqa: E402
 from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
-from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
+from fp8rl_jax.rollout.sampling import Draw, SamplingConfig  # noqa: E402
 from fp8rl_jax.rollout.watchdog import StallWatchdog  # noqa: E402
 
 HBM_BPS = 4.3e12
@@ -229,6 +229,7 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
                 "bf16_copy_freed": standalone,
                 "fused_projections": engine.fused,  # q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections)
                 "fused_cast": engine.config.fused_cast,  # BF16 GEMMs write BF16 (EngineConfig.fused_cast)
+                "sampling_draw": engine.config.sampling_draw.value,  # EngineConfig.sampling_draw
                 "fp8_gemm": cfg.engine.fp8_gemm.describe() if mode.fp8_weights else None,  # Mosaic, cuBLASLt or per shape
                 "full_length_sequences_that_fit": engine.sequences_that_fit,
                 "repeats": len(runs),
@@ -430,6 +431,8 @@ if __name__ == "__main__":
                     help="q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections; auto: on, on one device)")
     ap.add_argument("--fused-cast", choices=["on", "off"], default="on",
                     help="EngineConfig.fused_cast: the BF16 GEMMs write BF16 themselves (off: float32 + a convert)")
+    ap.add_argument("--draw", choices=[d.value for d in Draw], default=Draw.GUMBEL.value,
+                    help="EngineConfig.sampling_draw: Gumbel-max (V random numbers per row) or the inverse CDF (one)")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="the dense FP8 GEMM of the w8a8/all modes (EngineConfig.fp8_gemm): our Mosaic kernel or "
                          "cuBLASLt's block-scaled FP8; auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic")
@@ -479,7 +482,8 @@ if __name__ == "__main__":
     engine = dataclasses.replace(BenchConfig.engine, kv_budget_gib=a.kv_gib, kv_budget_fraction=a.kv_fraction,
                                  max_slots=a.max_slots, overlap_host=not a.no_overlap_host,
                                  fuse_projections={"auto": None, "on": True, "off": False}[a.fuse_projections],
-                                 fp8_gemm=GemmBackend(a.fp8_gemm), fused_cast=a.fused_cast == "on", **sizing)
+                                 fp8_gemm=GemmBackend(a.fp8_gemm), fused_cast=a.fused_cast == "on",
+                                 sampling_draw=Draw(a.draw), **sizing)
     model = PRESETS[a.preset]
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)

@@ -41,7 +41,7 @@ from fp8rl_jax.models import Fp8Mode, init_params  # noqa: E402
 from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from fp8rl_jax.rollout import engine as engine_mod  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
-from fp8rl_jax.rollout.sampling import SamplingConfig  # noqa: E402
+from fp8rl_jax.rollout.sampling import Draw, SamplingConfig  # noqa: E402
 from pallas_kernels.common import fusion_hlo, trace_kernels  # noqa: E402
 
 HBM_BPS = 4.3e12
@@ -160,7 +160,8 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
     ec = EngineConfig(max_slots=args.batch, page_size=ps, num_pages=pages, max_seq_len=max_seq,
                       steps_per_call=args.steps, precision=mode, dtype=args.dtype,
                       fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
-                      fp8_gemm=GemmBackend(args.fp8_gemm), fused_cast=args.fused_cast == "on")
+                      fp8_gemm=GemmBackend(args.fp8_gemm), fused_cast=args.fused_cast == "on",
+                      sampling_draw=Draw(args.draw))
     engine = JaxEngine(cfg, params, ec)
     lengths, rest = setup(engine, args.batch, args.context, args.seed, Lengths(args.lengths), PageOrder(args.pages),
                           args.prompt_len, calls=args.repeats + 2)  # compile, repeats, trace
@@ -237,6 +238,8 @@ def main(argv=None) -> dict:
                     help="EngineConfig.fuse_projections (auto: on, on one device)")
     ap.add_argument("--fused-cast", choices=["on", "off"], default="on",
                     help="EngineConfig.fused_cast: the BF16 GEMMs write BF16 themselves (off: float32 + a convert)")
+    ap.add_argument("--draw", choices=[d.value for d in Draw], default=Draw.GUMBEL.value,
+                    help="EngineConfig.sampling_draw: how the rows (temperature 1) draw their tokens")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic)")
     ap.add_argument("--lengths", choices=[m.value for m in Lengths], default=Lengths.UNIFORM.value,

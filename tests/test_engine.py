@@ -18,7 +18,7 @@ from fp8rl_jax.checkpoint import load_checkpoint
 from fp8rl_jax.models import DensePolicy, Fp8Mode, PagedKVCache, forward, init_params
 from fp8rl_jax.rollout.base import FinishReason
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
-from fp8rl_jax.rollout.sampling import SamplingConfig
+from fp8rl_jax.rollout.sampling import Draw, SamplingConfig
 
 F32 = EngineConfig(max_slots=3, page_size=4, num_pages=64, max_seq_len=64, steps_per_call=3, prefill_batch=2,
                    prefill_buckets=(8, 16, 32, 64), dtype="float32")
@@ -94,9 +94,12 @@ def test_greedy_equals_transformers_generate(hf_models, hf_greedy, name):
     assert ours.token_lists() == hf
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0, top_p=0.9, top_k=20, max_tokens=7,
-                                                             ignore_eos=True, seed=5)], ids=["greedy", "sampled"])
-def test_results_do_not_depend_on_slots_pages_or_chunking(sampling):
+_SAMPLED = SamplingConfig(temperature=1.0, top_p=0.9, top_k=20, max_tokens=7, ignore_eos=True, seed=5)
+
+
+@pytest.mark.parametrize("sampling,draw", [(GREEDY, Draw.GUMBEL), (_SAMPLED, Draw.GUMBEL), (_SAMPLED, Draw.INVERSE_CDF)],
+                         ids=["greedy", "sampled", "sampled-inverse-cdf"])
+def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw):
     cfg, rng = tiny_qwen3, np.random.default_rng(2)
     params = init_params(cfg, jax.random.key(1), jnp.float32)
     prompts = _prompts(rng, cfg.vocab_size, [4, 10, 6, 2])
@@ -104,7 +107,7 @@ def test_results_do_not_depend_on_slots_pages_or_chunking(sampling):
     runs = []
     for ec in [F32, dataclasses.replace(F32, max_slots=1, page_size=8, steps_per_call=1),
                dataclasses.replace(F32, max_slots=4, page_size=2, steps_per_call=5, prefill_batch=4)]:
-        runs.append(JaxEngine(cfg, params, ec).generate(prompts, seeds))
+        runs.append(JaxEngine(cfg, params, dataclasses.replace(ec, sampling_draw=draw)).generate(prompts, seeds))
     for other in runs[1:]:
         assert other.token_lists() == runs[0].token_lists()
         np.testing.assert_allclose(other.logprobs, runs[0].logprobs, atol=1e-5)

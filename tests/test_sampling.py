@@ -2,10 +2,11 @@
 
 The statistical tests compare empirical token frequencies with the exact truncated,
 renormalized ``softmax(logits / T)`` computed in float64 numpy, by a chi-square test at
-``ALPHA = 1e-6`` each. There are ``len(STAT_CASES) = 7`` such tests, plus the 2 of
-``test_distribution_untruncated_path``, so for a sampler that is correct the chance that a
-random choice of seeds fails any of them is at most ``9 * 1e-6 = 9e-6`` (the seeds here are
-fixed, so the outcome is deterministic run to run).
+``ALPHA = 1e-6`` each, for each draw (`Draw`: Gumbel-max, inverse CDF). There are
+``len(STAT_CASES) = 7`` such tests per draw, plus the 2 of ``test_distribution_untruncated_path``
+and the 2 of ``test_inverse_cdf_across_chunks``, 20 in all, so for a sampler that is correct the
+chance that a random choice of seeds fails any of them is at most ``20 * 1e-6 = 2e-5`` (the seeds
+here are fixed, so the outcome is deterministic run to run).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
+from fp8rl_jax.rollout import sampling as sampling_mod
+from fp8rl_jax.rollout.sampling import Draw, SamplingConfig, SlotSampling, row_keys, sample
 
 ALPHA = 1e-6
 N_DRAWS = 20_000
-sample_jit = jax.jit(sample)
+sample_jit = jax.jit(sample, static_argnames="draw")
 row_keys_jit = jax.jit(row_keys)
 
 
@@ -65,14 +67,15 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
-def draw(logits_row: np.ndarray, configs: list[SamplingConfig], n: int, position: int = 0):
+def draw(logits_row: np.ndarray, configs: list[SamplingConfig], n: int, position: int = 0,
+         how: Draw = Draw.GUMBEL):
     """n draws per config in one call (rows = configs x draws, distinct seeds); counts [C, V]."""
     v = logits_row.shape[0]
     rows = [dataclasses.replace(c, seed=1000 * i + j) for i, c in enumerate(configs) for j in range(n)]
     sp = SlotSampling.from_configs(rows)
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (len(rows), v))
     keys = row_keys_jit(sp.seed, jnp.full((len(rows),), position, jnp.int32))
-    tokens, _ = sample_jit(logits, sp, keys)
+    tokens, _ = sample_jit(logits, sp, keys, draw=how)
     tokens = np.asarray(tokens).reshape(len(configs), n)
     return np.stack([np.bincount(t, minlength=v) for t in tokens])
 
@@ -163,10 +166,10 @@ STAT_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def stat_counts():
-    """All cases in one call: truncating rows force the sorted path for every row."""
-    return draw(STAT_LOGITS, list(STAT_CASES.values()), N_DRAWS)
+@pytest.fixture(scope="module", params=list(Draw), ids=lambda d: d.value)
+def stat_counts(request):
+    """All cases in one call per draw: truncating rows force the sorted path for every row."""
+    return draw(STAT_LOGITS, list(STAT_CASES.values()), N_DRAWS, how=request.param)
 
 
 @pytest.mark.parametrize("name", list(STAT_CASES))
@@ -195,20 +198,62 @@ def test_topk_topp_cases_truncate():
     assert kept["T1"] == kept["off_explicit_T1.3"] == kept["top_k_ge_V"] == 10
 
 
-def test_distribution_untruncated_path():
+@pytest.mark.parametrize("how", list(Draw), ids=lambda d: d.value)
+def test_distribution_untruncated_path(how):
     """A batch with no truncating row skips the sort; its draws still follow softmax(z / T)."""
     configs = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.5)]
-    counts = draw(STAT_LOGITS, configs, N_DRAWS, position=5)
+    counts = draw(STAT_LOGITS, configs, N_DRAWS, position=5, how=how)
     for c, cnt in zip(configs, counts):
         probs = reference_probs(STAT_LOGITS, c.temperature, 0, 1.0)
         p = chi_square_pvalue(cnt, probs)
         assert p > ALPHA, f"T={c.temperature}: chi-square p={p:.3g}; counts={cnt}"
 
 
-def test_top_p_keeps_at_least_top_token():
+@pytest.mark.parametrize("how", list(Draw), ids=lambda d: d.value)
+def test_top_p_keeps_at_least_top_token(how):
     logits = np.array([5.0, 1.0, 0.0, -1.0], np.float32)
-    counts = draw(logits, [SamplingConfig(top_p=1e-6), SamplingConfig(top_p=0.5, top_k=2)], 200)
+    counts = draw(logits, [SamplingConfig(top_p=1e-6), SamplingConfig(top_p=0.5, top_k=2)], 200, how=how)
     assert counts[0, 0] == 200 and counts[1, 0] == 200
+
+
+def test_inverse_cdf_across_chunks():
+    """The inverse-CDF draw over a vocabulary of several 128-token chunks (and a partial last one),
+    with the mass in a few far-apart places, -inf tokens (vocabulary padding) and top-k: the
+    frequencies follow the truncated softmax, and no token of zero mass is ever drawn."""
+    rng = np.random.default_rng(8)
+    v = 700  # 5 full chunks and one of 60
+    logits = np.full(v, -4.0, np.float32) + rng.normal(size=v).astype(np.float32) * 0.3
+    hot = [3, 127, 128, 400, 641, 699]  # chunk edges and the last token
+    logits[hot] = rng.normal(size=len(hot)).astype(np.float32) + 2.0
+    logits[130:250] = -np.inf
+    configs = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.9, top_k=4)]
+    counts = draw(logits, configs, N_DRAWS, position=3, how=Draw.INVERSE_CDF)
+    for c, cnt in zip(configs, counts):
+        probs = reference_probs(logits, c.temperature, c.top_k, c.top_p)
+        assert cnt[probs == 0].sum() == 0, np.flatnonzero(cnt * (probs == 0))
+        p = chi_square_pvalue(cnt, probs)
+        assert p > ALPHA, f"top_k={c.top_k}: chi-square p={p:.3g}"
+
+
+def test_inverse_cdf_pick_at_the_ends_of_the_mass():
+    """u = 0 picks the first token of positive mass and u at the largest float32 below 1 the last
+    whose mass moves the float32 total (token 201's e^-30 does not: its probability, 5e-14, is below
+    the draw's resolution); a pick never lands on a token of zero mass, even where float32 prefix
+    sums rise past the target at one (a scan's rounding need not be monotone) or stay below it to
+    the end (the last token of positive mass then)."""
+    v = 300
+    z = np.full((3, v), -np.inf, np.float32)
+    z[:, [5, 200, 201]] = [0.0, 1e-3, -30.0]
+    z[2, 5] = -np.inf
+    z = jnp.asarray(z)
+    no_cut = (jnp.full((3,), -jnp.inf), jnp.full((3,), v, jnp.int32))
+    u = jnp.array([0.0, np.nextafter(np.float32(1), np.float32(0)), 0.0], jnp.float32)
+    got = np.asarray(jax.jit(sampling_mod._inverse_cdf)(z, jnp.max(z, axis=1), *no_cut, u))
+    assert got.tolist() == [5, 200, 200], got
+    first_above = jax.jit(sampling_mod._first_above)
+    mass = jnp.array([[0.0, 0.5, 0.0, 0.1], [0.0, 1.0, 0.0, 1e-30]])
+    cum = jnp.array([[0.0, 0.5, 0.6, 0.6], [0.0, 1.0, 1.0, 1.0]])  # row 0: index 2 rose with no mass
+    assert np.asarray(first_above(cum, jnp.array([0.55, 1.0]), mass)).tolist() == [3, 3]
 
 
 def test_ties_at_boundaries_break_by_lower_id():
@@ -258,7 +303,8 @@ def test_different_positions_and_seeds_give_different_streams():
     assert len({tuple(k) for k in np.asarray(keys).tolist()}) == 4
 
 
-def test_batch_composition_and_slot_do_not_matter():
+@pytest.mark.parametrize("how", list(Draw), ids=lambda d: d.value)
+def test_batch_composition_and_slot_do_not_matter(how):
     """Request R alone (no truncation anywhere: sort skipped) and R scattered over rows of a
     bigger batch with greedy and truncating neighbours (sorted path) give identical results."""
     rng = np.random.default_rng(5)
@@ -266,7 +312,8 @@ def test_batch_composition_and_slot_do_not_matter():
     r_logits = (rng.normal(size=(t, v)) * 2.0).astype(np.float32)
     r_cfg = SamplingConfig(temperature=1.0, seed=123)
     alone = SlotSampling.from_configs([r_cfg] * t)
-    tok_a, lp_a = map(np.asarray, sample_jit(jnp.asarray(r_logits), alone, row_keys_jit(alone.seed, jnp.arange(t))))
+    tok_a, lp_a = map(np.asarray, sample_jit(jnp.asarray(r_logits), alone, row_keys_jit(alone.seed, jnp.arange(t)),
+                                             draw=how))
 
     big = 3 * t
     slots = rng.permutation(big)[:t]
@@ -281,7 +328,8 @@ def test_batch_composition_and_slot_do_not_matter():
         configs[s] = r_cfg
         positions[s] = pos
     sp = SlotSampling.from_configs(configs)
-    tok_b, lp_b = map(np.asarray, sample_jit(jnp.asarray(logits), sp, row_keys_jit(sp.seed, jnp.asarray(positions))))
+    tok_b, lp_b = map(np.asarray, sample_jit(jnp.asarray(logits), sp, row_keys_jit(sp.seed, jnp.asarray(positions)),
+                                             draw=how))
     np.testing.assert_array_equal(tok_b[slots], tok_a)
     np.testing.assert_allclose(lp_b[slots], lp_a, rtol=1e-6, atol=1e-6)
 
@@ -316,13 +364,14 @@ def test_full_size_shapes():
     assert logprobs.shape == (b,) and logprobs.dtype == jnp.float32
 
 
-def test_real_vocab_smoke():
+@pytest.mark.parametrize("how", list(Draw), ids=lambda d: d.value)
+def test_real_vocab_smoke(how):
     """Qwen3 vocabulary size, a few rows mixing every mode."""
     b, v = 4, 151936
     logits = jax.random.normal(jax.random.key(0), (b, v)) * 3.0
     sp = SlotSampling.from_configs([SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_k=50),
                                     SamplingConfig(temperature=1.0, top_p=0.9), SamplingConfig(temperature=1.2)])
-    tokens, logprobs = map(np.asarray, sample_jit(logits, sp, row_keys_jit(sp.seed, jnp.arange(b))))
+    tokens, logprobs = map(np.asarray, sample_jit(logits, sp, row_keys_jit(sp.seed, jnp.arange(b)), draw=how))
     z = np.asarray(logits, np.float64) / np.array([1.0, 0.7, 1.0, 1.2])[:, None]
     np.testing.assert_allclose(logprobs, log_softmax64(z)[np.arange(b), tokens], rtol=1e-5, atol=5e-5)
     assert tokens[0] == int(np.argmax(np.asarray(logits)[0]))

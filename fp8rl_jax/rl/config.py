@@ -37,6 +37,7 @@ from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy
 from fp8rl_jax.rl.algos import AdvantageEstimator
 from fp8rl_jax.rl.trainer import ComputeDtype, LossConfig, OptimizerConfig, TrainerConfig
 from fp8rl_jax.rollout.engine import EngineConfig, KvCalibration
+from fp8rl_jax.rollout.sampling import Draw
 from fp8rl_jax.rollout.sampling import SamplingConfig
 
 
@@ -72,6 +73,7 @@ class RolloutConfig:
     steps_per_call: int = 8
     prefill_batch: int = 16
     stall_timeout_s: float = 0.0  # > 0: exit (code 3) when generation stops progressing this long
+    sampling_draw: Draw = Draw.GUMBEL  # the JAX engine's draw (EngineConfig.sampling_draw): gumbel | inverse_cdf
     # free the engine's KV pool and weight copy after each rollout, for the trainer's step
     # (JaxEngine.sleep(weights=True)); the weight sync hands new weights over and the next rollout
     # allocates the pool again (same shape: no recompile)
@@ -249,7 +251,7 @@ class RLConfig:
                             max_seq_len=r.max_seq_len, steps_per_call=r.steps_per_call,
                             prefill_batch=r.prefill_batch, precision=self.precision.rollout,
                             dtype=self.trainer.compute_dtype.value, kv_calibration=self.precision.kv_calibration,
-                            stall_timeout_s=r.stall_timeout_s)
+                            stall_timeout_s=r.stall_timeout_s, sampling_draw=r.sampling_draw)
 
     @property
     def out_dir(self) -> Path:

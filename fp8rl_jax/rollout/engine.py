@@ -82,7 +82,7 @@ from fp8rl_jax.models.policy import Kernels
 from fp8rl_jax.quant.policy import (GemmBackend, LayerPolicy, W8A8Policy, WeightSharding, quantize_params,
                                     quantizing_concat)
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
-from fp8rl_jax.rollout.sampling import SamplingConfig, SlotSampling, row_keys, sample
+from fp8rl_jax.rollout.sampling import Draw, SamplingConfig, SlotSampling, row_keys, sample
 from fp8rl_jax.rollout.watchdog import StallWatchdog
 
 _FINISH_CODES = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.MAX_LEN}
@@ -153,6 +153,10 @@ class EngineConfig:
         rounds: the same float32 accumulation and rounding, without a kernel and a float32 write per GEMM
         (H200, Qwen3-8B at 256 rows, session 17 A/B on one machine: none step 22.70 -> 22.11 ms, kv
         17.04 -> 16.62). Default on.
+      sampling_draw: how sampled rows draw their token (`fp8rl_jax.rollout.sampling.Draw`): Gumbel-max
+        (default: V threefry numbers per row, ~0.29 ms of a Qwen3-8B decode step at 256 rows on the H200,
+        session 17) or the inverse CDF (one uniform per row; the same distribution, other tokens for a
+        seed; its GPU time not yet measured). Greedy rows and the logprobs do not depend on it.
     """
 
     max_slots: int = 32
@@ -177,6 +181,7 @@ class EngineConfig:
     fuse_projections: bool | None = None
     fp8_gemm: GemmBackend = GemmBackend.AUTO
     fused_cast: bool = True
+    sampling_draw: Draw = Draw.GUMBEL
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -190,6 +195,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.precision must be an Fp8Mode, got {self.precision!r}")
         if not isinstance(self.fp8_gemm, GemmBackend):
             raise ValueError(f"EngineConfig.fp8_gemm must be a GemmBackend, got {self.fp8_gemm!r}")
+        if not isinstance(self.sampling_draw, Draw):
+            raise ValueError(f"EngineConfig.sampling_draw must be a Draw, got {self.sampling_draw!r}")
         if not isinstance(self.kv_calibration, KvCalibration):
             raise ValueError(f"EngineConfig.kv_calibration must be a KvCalibration, got {self.kv_calibration!r}")
         b = self.fp8_block
@@ -314,7 +321,7 @@ class JaxEngine:
         if not asleep:
             self.wake()
         self._static = dict(model_config=model_config, policy=self.policy, max_seq_len=self.max_seq_len,
-                            record_routing=config.record_routing)
+                            record_routing=config.record_routing, draw=config.sampling_draw)
         self._routing_mismatches = 0
 
     def _kv_budget_bytes(self) -> float:
@@ -1002,10 +1009,10 @@ def _dense_concat(parts: list, paths: list) -> Any:
     return None if "experts" in paths[0] else concat_parts(parts)
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "policy", "max_seq_len", "record_routing"),
+@functools.partial(jax.jit, static_argnames=("model_config", "policy", "max_seq_len", "record_routing", "draw"),
                    donate_argnums=(1,))
 def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remaining, *, model_config, policy,
-             max_seq_len, record_routing=False):
+             max_seq_len, record_routing=False, draw=Draw.GUMBEL):
     """Prefills rows ``slot_ids`` (out of range for padding rows) and samples their next token;
     with ``record_routing`` also returns the experts of every prefilled position [P, T, L_moe, k]."""
     view = cache.replace(page_table=jnp.take(cache.page_table, slot_ids, axis=0, mode="clip"),
@@ -1014,17 +1021,17 @@ def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remainin
                                      num_new=num_new, record_routing=record_routing,
                                      logits_at=jnp.maximum(num_new - 1, 0))
     last = logits[:, 0]
-    tok, lp = sample(last, sampling, row_keys(sampling.seed, num_new))
+    tok, lp = sample(last, sampling, row_keys(sampling.seed, num_new), draw)
     code = _finish_code(tok, stops, remaining, num_new, max_seq_len)
     cache = cache.replace(k_pages=view.k_pages, v_pages=view.v_pages,
                           lengths=cache.lengths.at[slot_ids].set(view.lengths, mode="drop"))
     return tok, lp, code, cache, experts
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "model_config", "policy", "max_seq_len", "record_routing"),
-                   donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("steps", "model_config", "policy", "max_seq_len", "record_routing",
+                                             "draw"), donate_argnums=(1,))
 def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, model_config, policy, max_seq_len,
-            record_routing=False):
+            record_routing=False, draw=Draw.GUMBEL):
     """``steps`` decode steps for every slot; finished or empty slots write nothing. With
     ``record_routing`` also returns the experts of the token each step fed in [B, steps, L_moe, k].
     The last element is the slots' state after the chunk (last token, still active, tokens left),
@@ -1036,7 +1043,7 @@ def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, m
         logits, cache, experts = _forward(params, last[:, None], model_config=model_config, policy=policy,
                                           cache=cache, num_new=active.astype(jnp.int32),
                                           record_routing=record_routing)
-        tok, lp = sample(logits[:, 0], sampling, row_keys(sampling.seed, cache.lengths))
+        tok, lp = sample(logits[:, 0], sampling, row_keys(sampling.seed, cache.lengths), draw)
         code = jnp.where(active, _finish_code(tok, stops, remaining, cache.lengths, max_seq_len), 0)
         if record_routing:
             out_routing = out_routing.at[:, j].set(experts[:, 0])
