@@ -105,8 +105,10 @@ def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw):
     prompts = _prompts(rng, cfg.vocab_size, [4, 10, 6, 2])
     seeds = [dataclasses.replace(sampling, seed=sampling.seed + i) for i in range(len(prompts))]
     runs = []
-    for ec in [F32, dataclasses.replace(F32, max_slots=1, page_size=8, steps_per_call=1),
-               dataclasses.replace(F32, max_slots=4, page_size=2, steps_per_call=5, prefill_batch=4)]:
+    configs = [F32, dataclasses.replace(F32, max_slots=1, page_size=8, steps_per_call=1),
+               dataclasses.replace(F32, max_slots=4, page_size=2, steps_per_call=5, prefill_batch=4)]
+    # the inverse-CDF draw shares the engine with Gumbel's: two configs show it reaches both programs
+    for ec in configs if draw is Draw.GUMBEL else configs[::2]:
         runs.append(JaxEngine(cfg, params, dataclasses.replace(ec, sampling_draw=draw)).generate(prompts, seeds))
     for other in runs[1:]:
         assert other.token_lists() == runs[0].token_lists()
