@@ -315,23 +315,28 @@ def sample(logits: Array, sampling: SlotSampling, keys: Array,
     if not isinstance(draw, Draw):
         raise ValueError(f"draw must be a Draw, got {draw!r}")
 
-    logits = logits.astype(jnp.float32)
     temperature = sampling.temperature.astype(jnp.float32)
     top_p = sampling.top_p.astype(jnp.float32)
     top_k = sampling.top_k.astype(jnp.int32)
     greedy = temperature <= 0.0
 
-    z = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    z = jnp.where(z == 0.0, 0.0, z)  # -0.0 -> 0.0, so == agrees with the sort's total order
+    def scaled(logits):
+        z = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None]
+        return jnp.where(z == 0.0, 0.0, z)  # -0.0 -> 0.0, so == agrees with the sort's total order
+
+    z = scaled(logits)
     log_z = jax.nn.logsumexp(z, axis=1)
 
     needs_truncation = ~greedy & (((top_k > 0) & (top_k < v)) | (top_p < 1.0))
     # per-row thresholds rather than a [B, V] mask out of the cond: without truncation, (-inf, V) keeps every
     # token and the comparison fuses into the draw (a mask of ones was its own [B, V] write, ~47 us per
-    # decode step at 256 x 151936 on the H200, session 17's profile)
+    # decode step at 256 x 151936 on the H200, session 17's profile). The branch scales the logits itself:
+    # an operand of the cond is a buffer, so z as one may be a float32 [B, V] write every step whether or
+    # not the branch runs (the H200 profiles have such a write, 57 us; untimed since); outside the cond, XLA
+    # may fuse z into each consumer.
     z_star, id_star = jax.lax.cond(
         jnp.any(needs_truncation),
-        lambda: _kept_threshold(z, top_k, top_p),
+        lambda: _kept_threshold(scaled(logits), top_k, top_p),
         lambda: (jnp.full((b,), -jnp.inf, jnp.float32), jnp.full((b,), v, jnp.int32)),
     )
     top = jnp.argmax(z, axis=1).astype(jnp.int32)
