@@ -423,6 +423,7 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
         # reshape (a [bp, ps, H] tile reshaped to [nt, H] kept V out of Triton's cp.async pipeline).
         ids = jnp.clip(plgpu.load(pt_ref.at[b, pages]), 0, num_pages - 1)
         ok = pages * ps + row_tok < limit  # [nt]
+
         def gather(ref, width, hd):  # [nt, width] of kv head hd of this block's tokens (masked past the range)
             shape2 = (nt, width)
             ok2 = jnp.broadcast_to(ok[:, None], shape2)
@@ -533,6 +534,7 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
         spec((2,), lambda b, k, s: (0,)),
         spec((None, hb, go, H), lambda b, k, s: (b, k, 0, 0)),
     ]
+
     def pool_spec(width):  # with one head per program the kernel sees [P, page_size, width] in either layout
         if layout is KvLayout.HND:
             return spec((P, hb, ps, width), lambda b, k, s: (0, k, 0, 0))
