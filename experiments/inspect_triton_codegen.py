@@ -137,6 +137,26 @@ def _op_counts(body: str) -> dict:
     return dict(sorted(ops.items()))
 
 
+def _sass_loop(sass: str) -> dict:
+    """The innermost-loop facts of ``cuobjdump -sass`` text: its instruction count (the longest
+    backward branch's body, one warp's instructions per iteration) and the count of each opcode."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = None
+    for i, (addr, text) in enumerate(ins):
+        t = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if t and int(t.group(1), 16) < addr:
+            j = next((k for k, (a, _) in enumerate(ins) if a == int(t.group(1), 16)), None)
+            if j is not None and (best is None or i - j > best[1] - best[0]):
+                best = (j, i)
+    if best is None:
+        return {}
+    ops: dict = {}
+    for _, text in ins[best[0]:best[1] + 1]:
+        op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+        ops[op] = ops.get(op, 0) + 1
+    return {"instructions": best[1] - best[0] + 1, "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
+
+
 def _ttgir_loop_facts(ttgir: str) -> dict:
     lines = ttgir.splitlines()
     i0 = next(i for i, l in enumerate(lines) if "scf.for" in l)
@@ -187,6 +207,11 @@ def compile_all(out: Path, jobs: list[dict]) -> list[dict]:
                            capture_output=True, text=True)
         log = r.stdout + r.stderr
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
+        cuobjdump = Path(ptxas).with_name("cuobjdump")
+        sass = {}
+        if cuobjdump.exists():  # the triton wheel ships it beside ptxas
+            sass = _sass_loop(subprocess.run([str(cuobjdump), "-sass", str(out / f"{name}.cubin")],
+                                             capture_output=True, text=True).stdout)
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         smem = md.get("shared", 0)
         warps = job["num_warps"]
@@ -196,7 +221,8 @@ def compile_all(out: Path, jobs: list[dict]) -> list[dict]:
         res = {**job, "registers": regs, "spill_stores": int(spill.group(1)), "spill_loads": int(spill.group(2)),
                "shared_bytes": smem, "ctas_per_sm": min(cta_by_regs, cta_by_smem, 32, 64 // warps),
                "ctas_by_regs": cta_by_regs, "ctas_by_smem": cta_by_smem,
-               "loop_ptx_ops": _op_counts(_loop_body(texts["ptx"])), "ttgir_loop": _ttgir_loop_facts(texts["ttgir"])}
+               "loop_ptx_ops": _op_counts(_loop_body(texts["ptx"])), "ttgir_loop": _ttgir_loop_facts(texts["ttgir"]),
+               "loop_sass_per_warp": sass.get("instructions"), "loop_sass_ops": sass.get("ops")}
         results.append(res)
         print(json.dumps(res), flush=True)
     return results
