@@ -133,6 +133,26 @@ def test_profile_decode_page_orders():
         assert all((table[b, need[b]:] == 0).all() for b in range(4))
 
 
+def test_inspect_codegen_counts_the_innermost_loop_of_sass():
+    """`inspect_triton_codegen`'s SASS reader: the loop is the longest backward branch's body (a forward
+    branch and a shorter loop do not count), its opcodes counted without predicates or modifiers."""
+    insp = _load("inspect_triton_codegen")
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R2, 0x1, PT ;
+        /*0020*/              @P0 BRA 0x90 ;
+        /*0030*/                   LDS R4, [R3] ;
+        /*0040*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0050*/              @!P1 FADD R8, R8, R9 ;
+        /*0060*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0070*/              @P2 BRA 0x30 ;
+        /*0080*/              @P3 BRA 0x60 ;
+        /*0090*/                   EXIT ;
+    """
+    assert insp._sass_loop(sass) == {"instructions": 5, "ops": {"HMMA": 2, "LDS": 1, "FADD": 1, "BRA": 1}}
+    assert insp._sass_loop("/*0000*/ EXIT ;") == {}
+
+
 def test_profile_decode_tiny(tmp_path):
     """The profile runs the engine's decode loop on a tiny model on the CPU (no trace: no GPU kernels), from the
     W1-like state too (equal lengths, the engine's page order)."""
