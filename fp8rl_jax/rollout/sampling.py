@@ -34,12 +34,15 @@ Sampling
     first kept one (vocabulary order) whose cumulative unnormalized mass
     ``sum_{i <= j} exp(z_i - max z)`` exceeds ``u`` times the total, found in two
     levels: masses of 128-token chunks (one pass over ``[B, V]``, fused with the
-    ``exp``), their prefix sums ``[B, V / 128]``, then the prefix sums inside the one
-    chosen chunk (its 128 logits gathered again). A pick only ever lands on a token of
+    ``exp``; the same variadic reduction sums every token's mass for the logprobs'
+    ``logsumexp``, and the max comes from the greedy ``argmax``), their prefix sums
+    ``[B, V / 128]``, then the prefix sums inside the one chosen chunk (its 128 logits
+    gathered again). A pick only ever lands on a token of
     positive mass (float32 rounding of the prefix sums at ``u`` near 1 falls back to the
     last such token). At 256 x 151936 the Gumbel draw's random numbers were ~0.29 ms of
     an H200 decode step (session 17's profile: the draw's fusion alone 287 us, compute
-    bound); this one draws 256. Its GPU time is not yet measured.
+    bound); this one draws 256. Its GPU time is not yet measured (on a 2-core CPU, 256 x
+    151936 bf16 logits: 254 ms against Gumbel's 1073).
 
 Design choices, and why
 -----------------------
@@ -268,14 +271,23 @@ def _first_above(cum: Array, target: Array, mass: Array) -> Array:
     return jnp.where(jnp.any(above, axis=1), first, last)
 
 
-def _inverse_cdf(z: Array, z_max: Array, z_star: Array, id_star: Array, u: Array) -> Array:
-    """``[B] int32``: the `Draw.INVERSE_CDF` token of each row (module note) for uniforms ``u [B]``
-    in ``[0, 1)``; ``z_max`` is each row's max (always kept, so every row has mass)."""
+def _inverse_cdf(z: Array, z_max: Array, z_star: Array, id_star: Array, u: Array) -> tuple[Array, Array]:
+    """``(tokens [B] int32, log_z [B])``: the `Draw.INVERSE_CDF` token of each row (module note) for
+    uniforms ``u [B]`` in ``[0, 1)``, and ``logsumexp(z)`` over the whole vocabulary from the same pass
+    (the chunk masses before truncation, beside the kept ones); ``z_max`` is each row's max (always
+    kept, so every row has mass)."""
     b, v = z.shape
     c = -(-v // _CDF_CHUNK)
-    w = jnp.where(_keep(z, z_star, id_star), jnp.exp(z - z_max[:, None]), 0.0)
-    w = jnp.pad(w, ((0, 0), (0, c * _CDF_CHUNK - v)))
-    mass = jnp.sum(w.reshape(b, c, _CDF_CHUNK), axis=2)  # [B, C]: one pass, the exp fused in
+
+    def chunks(w):  # [B, C, 128], zero-padded
+        return jnp.pad(w, ((0, 0), (0, c * _CDF_CHUNK - v))).reshape(b, c, _CDF_CHUNK)
+
+    # both chunk masses, all tokens' and the kept ones', as one variadic reduction: one read of the logits
+    # with the exp fused in, whatever XLA would do with two sibling reductions of a shared exp
+    e = jnp.exp(z - z_max[:, None])
+    mass_all, mass = jax.lax.reduce((chunks(e), chunks(jnp.where(_keep(z, z_star, id_star), e, 0.0))),
+                                    (jnp.float32(0), jnp.float32(0)), lambda x, y: (x[0] + y[0], x[1] + y[1]), (2,))
+    log_z = z_max + jnp.log(jnp.sum(mass_all, axis=1))
     cum = jnp.cumsum(mass, axis=1)
     target = u * cum[:, -1]
     chunk = _first_above(cum, target, mass)
@@ -284,7 +296,7 @@ def _inverse_cdf(z: Array, z_max: Array, z_star: Array, id_star: Array, u: Array
     zc = jnp.take_along_axis(z, jnp.minimum(cols, v - 1), axis=1)  # the chosen chunk's logits, again
     kept = (cols < v) & ((zc > z_star[:, None]) | ((zc == z_star[:, None]) & (cols <= id_star[:, None])))
     wc = jnp.where(kept, jnp.exp(zc - z_max[:, None]), 0.0)
-    return chunk * _CDF_CHUNK + _first_above(base[:, None] + jnp.cumsum(wc, axis=1), target, wc)
+    return chunk * _CDF_CHUNK + _first_above(base[:, None] + jnp.cumsum(wc, axis=1), target, wc), log_z
 
 
 def sample(logits: Array, sampling: SlotSampling, keys: Array,
@@ -325,8 +337,6 @@ def sample(logits: Array, sampling: SlotSampling, keys: Array,
         return jnp.where(z == 0.0, 0.0, z)  # -0.0 -> 0.0, so == agrees with the sort's total order
 
     z = scaled(logits)
-    log_z = jax.nn.logsumexp(z, axis=1)
-
     needs_truncation = ~greedy & (((top_k > 0) & (top_k < v)) | (top_p < 1.0))
     # per-row thresholds rather than a [B, V] mask out of the cond: without truncation, (-inf, V) keeps every
     # token and the comparison fuses into the draw (a mask of ones was its own [B, V] write, ~47 us per
@@ -341,11 +351,12 @@ def sample(logits: Array, sampling: SlotSampling, keys: Array,
     )
     top = jnp.argmax(z, axis=1).astype(jnp.int32)
     if draw is Draw.GUMBEL:
+        log_z = jax.nn.logsumexp(z, axis=1)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
         drawn = jnp.argmax(jnp.where(_keep(z, z_star, id_star), z + gumbel, -jnp.inf), axis=1).astype(jnp.int32)
-    else:
+    else:  # the max from the argmax, logsumexp(z) from the draw's own pass over the vocabulary
         u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
-        drawn = _inverse_cdf(z, jnp.take_along_axis(z, top[:, None], axis=1)[:, 0], z_star, id_star, u)
+        drawn, log_z = _inverse_cdf(z, jnp.take_along_axis(z, top[:, None], axis=1)[:, 0], z_star, id_star, u)
     tokens = jnp.where(greedy, top, drawn)
 
     logprobs = jnp.take_along_axis(z, tokens[:, None], axis=1)[:, 0] - log_z
