@@ -37,12 +37,12 @@ Sampling
     ``exp``; the same variadic reduction sums every token's mass for the logprobs'
     ``logsumexp``, and the max comes from the greedy ``argmax``), their prefix sums
     ``[B, V / 128]``, then the prefix sums inside the one chosen chunk (its 128 logits
-    gathered again). A pick only ever lands on a token of
-    positive mass (float32 rounding of the prefix sums at ``u`` near 1 falls back to the
-    last such token). At 256 x 151936 the Gumbel draw's random numbers were ~0.29 ms of
-    an H200 decode step (session 17's profile: the draw's fusion alone 287 us, compute
-    bound); this one draws 256. Its GPU time is not yet measured (on a 2-core CPU, 256 x
-    151936 bf16 logits: 254 ms against Gumbel's 1073).
+    gathered again). A pick only ever lands on a token of positive mass (float32
+    rounding of the prefix sums at ``u`` near 1 falls back to the last such token).
+    At 256 x 151936 the Gumbel draw's random numbers were ~0.29 ms of an H200 decode
+    step (session 17's profile: the draw's fusion alone 287 us, compute bound); this
+    one draws 256. Its GPU time is not yet measured (on a 2-core CPU, 256 x 151936
+    bf16 logits: 254 ms against Gumbel's 1073).
 
 Design choices, and why
 -----------------------
