@@ -4,7 +4,7 @@ The statistical tests compare empirical token frequencies with the exact truncat
 renormalized ``softmax(logits / T)`` computed in float64 numpy, by a chi-square test at
 ``ALPHA = 1e-6`` each, for each draw (`Draw`: Gumbel-max, inverse CDF). There are
 ``len(STAT_CASES) = 7`` such tests per draw, plus the 2 of ``test_distribution_untruncated_path``
-and the 2 of ``test_inverse_cdf_across_chunks``, 20 in all, so for a sampler that is correct the
+per draw and the 2 of ``test_inverse_cdf_across_chunks``, 20 in all, so for a sampler that is correct the
 chance that a random choice of seeds fails any of them is at most ``20 * 1e-6 = 2e-5`` (the seeds
 here are fixed, so the outcome is deterministic run to run).
 """
