@@ -2,7 +2,8 @@
 # Planned for session 19, call 1 (one H200; written in session 18, which had no device time left): the paged-attention
 # kernel on the GPU since its last run, and the E4M3 logits dot (`fp8_qk_dot`) timed against the table's FP8 config.
 #   0. the paged-attention GPU tests: since session 17's run the kernel loads q as given and stores its output in the
-#      natural order (same bits in interpret mode), and the fp8_qk_dot cases are new (wgmma on the GPU);
+#      natural order (same bits in interpret mode), and the fp8_qk_dot cases are new (wgmma on the GPU); then
+#      tests/test_sampling.py on the GPU backend (the inverse-CDF draw's chi-square tests under XLA:GPU);
 #   1. `main --qk8`: the qk8 sweep next to the table's FP8 config at B = 256, context <= 2048 (the table's shape),
 #      every config printed; the fastest goes into a candidate table, $OUT/pa_tuning_qk8.json;
 #   2. the kv decode step with the table vs the candidate (rows uniform in [1024, 2048], as session 17's 16.62 ms),
@@ -16,6 +17,8 @@ source experiments/device/env.sh
 P="experiments/profile_decode.py --preset qwen3_8b --batch 256 --modes kv"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   GPU_WORKERS=8 SUITE_S=200 bash experiments/device/gpu_tests.sh tests/test_paged_attention.py
+  echo "== sampling tests on the GPU (both draws' chi-square tests)"; XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
+    timeout $(left 290) python -m pytest -q -n 4 -p no:cacheprovider tests/test_sampling.py 2>&1 | tail -3
   echo "== qk8 sweep"; timeout $(left 330) python -m pallas_kernels.paged_attention --qk8 --batch 256 --context 2048 \
     --dtypes float8_e4m3fn --max-seconds 100 --tuning-out "$OUT/pa_tuning_qk8.json" --out "$OUT/pa_qk8.json"
   echo "rc=$?"; cat "$OUT/pa_tuning_qk8.json" 2>/dev/null | grep -v '^  *"\(max_splits\|fp8_dot_dtype\)'
