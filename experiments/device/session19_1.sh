@@ -18,16 +18,16 @@ P="experiments/profile_decode.py --preset qwen3_8b --batch 256 --modes kv"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   GPU_WORKERS=8 SUITE_S=200 bash experiments/device/gpu_tests.sh tests/test_paged_attention.py
   echo "== sampling tests on the GPU (both draws' chi-square tests)"; XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
-    timeout $(left 290) python -m pytest -q -n 4 -p no:cacheprovider tests/test_sampling.py 2>&1 | tail -3
-  echo "== qk8 sweep"; timeout $(left 330) python -m pallas_kernels.paged_attention --qk8 --batch 256 --context 2048 \
-    --dtypes float8_e4m3fn --max-seconds 100 --tuning-out "$OUT/pa_tuning_qk8.json" --out "$OUT/pa_qk8.json"
+    timeout $(left 260) python -m pytest -q -n 4 -p no:cacheprovider tests/test_sampling.py 2>&1 | tail -3
+  echo "== qk8 sweep"; timeout $(left 370) python -m pallas_kernels.paged_attention --qk8 --batch 256 --context 2048 \
+    --dtypes float8_e4m3fn --max-seconds 90 --tuning-out "$OUT/pa_tuning_qk8.json" --out "$OUT/pa_qk8.json"
   echo "rc=$?"; cat "$OUT/pa_tuning_qk8.json" 2>/dev/null | grep -v '^  *"\(max_splits\|fp8_dot_dtype\)'
-  echo "== profile kv, table"; timeout $(left 400) python $P --out "$OUT/profile_kv_table.json"; echo "rc=$?"
+  echo "== profile kv, table"; timeout $(left 420) python $P --out "$OUT/profile_kv_table.json"; echo "rc=$?"
   if [ -f "$OUT/pa_tuning_qk8.json" ]; then
     echo "== profile kv, candidate"; FP8RL_PAGED_ATTENTION_TUNING="$OUT/pa_tuning_qk8.json" timeout $(left 470) \
       python $P --out "$OUT/profile_kv_candidate.json"; echo "rc=$?"
   fi
-  echo "== profile kv, table, inverse-CDF draw"; timeout $(left 510) python $P --draw inverse_cdf \
+  echo "== profile kv, table, inverse-CDF draw"; timeout $(left 520) python $P --draw inverse_cdf \
     --out "$OUT/profile_kv_table_icdf.json"; echo "rc=$?"
   echo "== profile kv, context 2048 equal, engine pages"; timeout $(left 570) python $P --lengths equal \
     --pages engine --out "$OUT/profile_kv_equal_engine.json"; echo "rc=$?"
