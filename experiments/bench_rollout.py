@@ -49,6 +49,7 @@ from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig  # noqa: E402
 from fp8rl_jax.rollout.watchdog import StallWatchdog  # noqa: E402
+from pallas_kernels import paged_attention as paged_kernel  # noqa: E402
 
 HBM_BPS = 4.3e12
 
@@ -230,6 +231,8 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
                 "fused_projections": engine.fused,  # q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections)
                 "fused_cast": engine.config.fused_cast,  # BF16 GEMMs write BF16 (EngineConfig.fused_cast)
                 "sampling_draw": engine.config.sampling_draw.value,  # EngineConfig.sampling_draw
+                # the decode attention's table and config for this mode's pool dtype (on a GPU)
+                "paged_attention": paged_kernel.describe_config(engine.kv_dtype),
                 "fp8_gemm": cfg.engine.fp8_gemm.describe() if mode.fp8_weights else None,  # Mosaic, cuBLASLt or per shape
                 "full_length_sequences_that_fit": engine.sequences_that_fit,
                 "repeats": len(runs),

@@ -42,6 +42,7 @@ from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from fp8rl_jax.rollout import engine as engine_mod  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig  # noqa: E402
+from pallas_kernels import paged_attention as paged_kernel  # noqa: E402
 from pallas_kernels.common import fusion_hlo, trace_kernels  # noqa: E402
 
 HBM_BPS = 4.3e12
@@ -187,7 +188,8 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.params))
     kv_bytes = args.batch * mean_ctx * kv_token
     roof_ms = (weight_bytes + kv_bytes) / HBM_BPS * 1e3
-    row = {"mode": mode.value, "compile_s": compile_s, "call_s": times, "step_ms": step_ms,
+    row = {"mode": mode.value, "paged_attention": paged_kernel.describe_config(engine.kv_dtype),
+           "compile_s": compile_s, "call_s": times, "step_ms": step_ms,
            "tokens_per_s": args.batch / step_ms * 1e3, "weight_gb": weight_bytes / 1e9, "kv_gb_per_step": kv_bytes / 1e9,
            "roofline_step_ms": roof_ms, "hbm_fraction": roof_ms / step_ms}
     if jax.default_backend() == "gpu" and not args.no_trace:

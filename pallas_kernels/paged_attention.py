@@ -268,6 +268,13 @@ def default_config(pool_dtype) -> PagedAttentionConfig:
     return _tuning(_device_kind()).get(jnp.dtype(pool_dtype).name, DEFAULT_CONFIG)
 
 
+def describe_config(pool_dtype) -> dict:
+    """What the decode kernel runs for pools of ``pool_dtype`` on this device kind, for result files:
+    the table it reads (`TUNING_FILE`, ``FP8RL_PAGED_ATTENTION_TUNING`` included) and the config."""
+    return {"table": str(TUNING_FILE), "device_kind": _device_kind(),
+            "config": dataclasses.asdict(default_config(pool_dtype))}
+
+
 SWEEP_CONFIGS = (
     PagedAttentionConfig(pages_per_block=4, pages_per_split=64, num_warps=4, num_stages=2),
     PagedAttentionConfig(pages_per_block=8, pages_per_split=32, num_warps=4, num_stages=2),

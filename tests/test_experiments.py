@@ -34,6 +34,8 @@ def test_bench_rollout_tiny(tmp_path):
         assert r["decode_step_ms"] > 0 and 0 < r["decode_batch_mean"] <= 4 and r["decode_hbm_fraction"] > 0
         # three timed generates on the warm engine; the row is the median one
         assert r["repeats"] == 3 and r["tokens_per_s"] == sorted(r["tokens_per_s_all"])[1]
+        # the decode attention's config is recorded (the CPU's: no table entry, the default)
+        assert r["paged_attention"]["config"]["pages_per_block"] >= 1 and r["paged_attention"]["table"]
         # the decode calls, in order: their device time adds up to decode_s, rows and contexts lie within the run's
         # slots and lengths, and each launch took host time
         calls = np.asarray(r["decode_calls"], np.float64)

@@ -498,6 +498,8 @@ def test_default_config_reads_the_tuning_table_of_this_device_kind(tmp_path, mon
         monkeypatch.setattr(pa, "_device_kind", lambda: "NVIDIA H200")
         assert pa.default_config(FP8) == fp8_cfg
         assert pa.default_config(BF16) == pa.DEFAULT_CONFIG
+        assert pa.describe_config(FP8) == {"table": str(path), "device_kind": "NVIDIA H200",
+                                           "config": dataclasses.asdict(fp8_cfg)}
         monkeypatch.setattr(pa, "_device_kind", lambda: "cpu")
         assert pa.default_config(FP8) == pa.DEFAULT_CONFIG
     finally:
