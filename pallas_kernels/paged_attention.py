@@ -140,6 +140,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fp8rl_jax.quant.fp8 import Fp8Format, saturating_cast
 from pallas_kernels.common import (device_kind, enable_fp8_wgmma, median_ms, resolve_interpret, tuning_entries,
                                    write_results, write_tuning)
 
@@ -151,7 +152,7 @@ _MASK_VALUE = float(np.finfo(np.float32).min)
 MIN_ROWS = 16  # smallest M of a Triton dot
 _FP8_DOT_DTYPES = ("bfloat16", "float16")
 _F16_MAX = float(np.finfo(np.float16).max)
-_E4M3_MAX = 448.0
+_E4M3_MAX = Fp8Format.E4M3.max
 
 
 class KvLayout(enum.Enum):
@@ -341,7 +342,7 @@ def _quantize_rows(q):
     amax = jnp.max(jnp.abs(q), axis=-1)
     has = amax > 0
     inv = jnp.where(has, _E4M3_MAX / jnp.where(has, amax, 1.0), 0.0)
-    q8 = jnp.clip(q * inv[..., None], -_E4M3_MAX, _E4M3_MAX).astype(_FP8)
+    q8 = saturating_cast(q * inv[..., None])
     return q8, jnp.where(has, amax / _E4M3_MAX, 1.0)
 
 

@@ -254,9 +254,11 @@ def _kept_threshold(z: Array, top_k: Array, top_p: Array) -> tuple[Array, Array]
     return z_star, id_star
 
 
-def _keep(z: Array, z_star: Array, id_star: Array) -> Array:
-    """``[B, V] bool``: ``(z_j, -j) >= (z*, -j*)`` per row. With ``(-inf, V)`` every token is kept."""
-    ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+def _keep(z: Array, z_star: Array, id_star: Array, ids: Array | None = None) -> Array:
+    """``[B, n] bool``: ``(z_j, -j) >= (z*, -j*)`` per row, ``j`` the token ids of ``z``'s columns
+    (``ids``, default ``0..n-1``). With ``(-inf, V)`` every token is kept."""
+    if ids is None:
+        ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
     return (z > z_star[:, None]) | ((z == z_star[:, None]) & (ids <= id_star[:, None]))
 
 
@@ -294,7 +296,7 @@ def _inverse_cdf(z: Array, z_max: Array, z_star: Array, id_star: Array, u: Array
     base = jnp.where(chunk > 0, jnp.take_along_axis(cum, jnp.maximum(chunk - 1, 0)[:, None], axis=1)[:, 0], 0.0)
     cols = chunk[:, None] * _CDF_CHUNK + jax.lax.broadcasted_iota(jnp.int32, (b, _CDF_CHUNK), 1)
     zc = jnp.take_along_axis(z, jnp.minimum(cols, v - 1), axis=1)  # the chosen chunk's logits, again
-    kept = (cols < v) & ((zc > z_star[:, None]) | ((zc == z_star[:, None]) & (cols <= id_star[:, None])))
+    kept = (cols < v) & _keep(zc, z_star, id_star, cols)
     wc = jnp.where(kept, jnp.exp(zc - z_max[:, None]), 0.0)
     return chunk * _CDF_CHUNK + _first_above(base[:, None] + jnp.cumsum(wc, axis=1), target, wc), log_z
 
