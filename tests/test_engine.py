@@ -115,6 +115,45 @@ def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw):
         np.testing.assert_allclose(other.logprobs, runs[0].logprobs, atol=1e-5)
 
 
+def test_truncation_is_decided_on_the_host(monkeypatch):
+    """Each device call compiles in whether any of its rows truncates (top-k / top-p) rather than
+    branching on it: calls without such rows run the program without a device conditional (on
+    XLA:GPU one holds the host's dispatch until the GPU reaches it, every step), and a request
+    draws the same tokens whether or not a neighbour truncates (its calls then sort)."""
+    from fp8rl_jax.rollout import engine as engine_mod
+
+    cfg, rng = tiny_qwen3, np.random.default_rng(21)
+    params = init_params(cfg, jax.random.key(5), jnp.float32)
+    prompts = _prompts(rng, cfg.vocab_size, [5, 9, 3])
+    plain = [SamplingConfig(temperature=1.0, max_tokens=6, ignore_eos=True, seed=40 + i) for i in range(3)]
+    flags = {"prefill": [], "decode": []}
+
+    def spy(name, fn):
+        def call(*args, **kw):
+            flags[name].append(kw["truncation"])
+            return fn(*args, **kw)
+        return call
+
+    monkeypatch.setattr(engine_mod, "_prefill", spy("prefill", engine_mod._prefill))
+    monkeypatch.setattr(engine_mod, "_decode", spy("decode", engine_mod._decode))
+    alone = JaxEngine(cfg, params, F32).generate(prompts, plain)
+    assert flags["prefill"] and flags["decode"] and not any(flags["prefill"] + flags["decode"])
+    flags = {"prefill": [], "decode": []}
+    mixed = JaxEngine(cfg, params, dataclasses.replace(F32, max_slots=4)).generate(prompts + [prompts[1]],
+                                                                                 plain + [_SAMPLED])
+    assert True in flags["prefill"] and all(flags["decode"])  # the top-p request runs in every decode call
+    assert mixed.token_lists()[:3] == alone.token_lists()
+    np.testing.assert_allclose(mixed.logprobs[:3, :6], alone.logprobs, atol=1e-5)
+    monkeypatch.undo()
+    eng, B = JaxEngine(cfg, params, F32), F32.max_slots
+    args = (eng.params, eng.cache, *eng._put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
+            *eng._slot_arrays([None] * B))
+    for truncation, conditionals in ((False, 0), (None, 1)):  # None: the device decides (lax.cond)
+        hlo = engine_mod._decode.lower(*args, steps=F32.steps_per_call, truncation=truncation,
+                                       **eng._static).compile().as_text()
+        assert hlo.count(" conditional(") == conditionals
+
+
 def test_tiny_page_budget_preempts_and_loses_nothing():
     cfg, rng = tiny_qwen3, np.random.default_rng(3)
     params = init_params(cfg, jax.random.key(2), jnp.float32)

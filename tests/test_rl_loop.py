@@ -32,7 +32,7 @@ def test_override_parses_by_field_type():
         "rollout.temperature=0.7", "rollout.n_samples=4", "precision.rollout=w8a8", "precision.train_fp8=true",
         "algorithm.loss.agg=seq_mean_token_sum", "algorithm.loss.dual_clip=3.0", "optimizer.max_grad_norm=none",
         "algorithm.loss.correction=TOKEN_MIS", "model.eos_token_ids=(1, 2)", "data.train_path=/x.jsonl",
-        "rollout.sampling_draw=inverse_cdf"])
+        "rollout.sampling_draw=gumbel"])
     assert cfg.rollout.temperature == 0.7 and cfg.rollout.n_samples == 4
     assert cfg.precision.rollout is Fp8Mode.W8A8 and cfg.precision.train_fp8 is True
     assert cfg.algorithm.loss.agg is LossAgg.SEQ_MEAN_TOKEN_SUM and cfg.algorithm.loss.dual_clip == 3.0
@@ -40,7 +40,7 @@ def test_override_parses_by_field_type():
     assert cfg.model.eos_token_ids == (1, 2) and cfg.data.train_path == "/x.jsonl"
     assert QUICKSTART.rollout.temperature == 1.0  # frozen: the preset is untouched
     assert cfg.engine_config().precision is Fp8Mode.W8A8
-    assert cfg.engine_config().sampling_draw.value == "inverse_cdf" and QUICKSTART.engine_config().sampling_draw.value == "gumbel"
+    assert cfg.engine_config().sampling_draw.value == "gumbel" and QUICKSTART.engine_config().sampling_draw.value == "inverse_cdf"
     from fp8rl_jax.quant.training import Fp8TrainPolicy
 
     assert isinstance(cfg.train_policy(), Fp8TrainPolicy) and isinstance(QUICKSTART.train_policy(), DensePolicy)

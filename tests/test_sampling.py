@@ -20,11 +20,11 @@ import pytest
 from scipy import stats
 
 from fp8rl_jax.rollout import sampling as sampling_mod
-from fp8rl_jax.rollout.sampling import Draw, SamplingConfig, SlotSampling, row_keys, sample
+from fp8rl_jax.rollout.sampling import Draw, SamplingConfig, SlotSampling, row_keys, sample, truncates
 
 ALPHA = 1e-6
 N_DRAWS = 20_000
-sample_jit = jax.jit(sample, static_argnames="draw")
+sample_jit = jax.jit(sample, static_argnames=("draw", "truncation"))
 row_keys_jit = jax.jit(row_keys)
 
 
@@ -332,6 +332,43 @@ def test_batch_composition_and_slot_do_not_matter(how):
                                              draw=how))
     np.testing.assert_array_equal(tok_b[slots], tok_a)
     np.testing.assert_allclose(lp_b[slots], lp_a, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", list(Draw), ids=lambda d: d.value)
+def test_truncation_decided_on_the_host_changes_nothing(how):
+    """``truncation`` given by the caller (no device conditional) draws what the ``lax.cond`` draws:
+    ``True`` on a batch with truncating rows, both ``True`` and ``False`` on one without; `truncates`
+    is the host's verdict per config (the engine's), and the compiled program without truncation
+    has no conditional and no sort."""
+    rng = np.random.default_rng(17)
+    b, v = 40, 96
+    logits = jnp.asarray((rng.normal(size=(b, v)) * 2.5).astype(np.float32))
+    plain = [SamplingConfig(temperature=float(rng.choice([0.0, 0.7, 1.0])), top_k=int(rng.choice([0, v, v + 5])),
+                            seed=int(rng.integers(0, 2**31))) for _ in range(b)]
+    mixed = list(plain)
+    for i in rng.permutation(b)[:7]:
+        mixed[i] = SamplingConfig(temperature=1.0, top_k=int(rng.integers(1, 12)), top_p=float(rng.choice([0.6, 1.0])),
+                                  seed=int(rng.integers(0, 2**31)))
+    assert not any(truncates(c, v) for c in plain) and any(truncates(c, v) for c in mixed)
+    assert not truncates(SamplingConfig(temperature=0.0, top_k=3, top_p=0.5), v)  # greedy never truncates
+    assert truncates(SamplingConfig(top_p=0.999), v) and truncates(SamplingConfig(top_k=v - 1), v)
+    positions = jnp.asarray(rng.integers(0, 4096, size=b), jnp.int32)
+    for configs, flags in ((plain, (False, True)), (mixed, (True,))):
+        sp = SlotSampling.from_configs(configs)
+        keys = row_keys_jit(sp.seed, positions)
+        tok, lp = map(np.asarray, sample_jit(logits, sp, keys, draw=how))
+        for flag in flags:
+            tok_h, lp_h = map(np.asarray, sample_jit(logits, sp, keys, draw=how, truncation=flag))
+            np.testing.assert_array_equal(tok_h, tok)
+            np.testing.assert_array_equal(lp_h, lp)
+    sp = SlotSampling.from_configs(plain)
+    hlo = sample_jit.lower(logits, sp, row_keys_jit(sp.seed, positions), draw=how,
+                           truncation=False).compile().as_text()
+    assert " conditional(" not in hlo and " sort(" not in hlo
+    assert " conditional(" in sample_jit.lower(logits, sp, row_keys_jit(sp.seed, positions),
+                                               draw=how).compile().as_text()
+    with pytest.raises(ValueError, match="truncation"):
+        sample(logits, sp, row_keys_jit(sp.seed, positions), truncation=1)
 
 
 def test_steps_per_round_trip_do_not_matter():

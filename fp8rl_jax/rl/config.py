@@ -72,7 +72,7 @@ class RolloutConfig:
     steps_per_call: int = 8
     prefill_batch: int = 16
     stall_timeout_s: float = 0.0  # > 0: exit (code 3) when generation stops progressing this long
-    sampling_draw: Draw = Draw.GUMBEL  # the JAX engine's draw (EngineConfig.sampling_draw): gumbel | inverse_cdf
+    sampling_draw: Draw = Draw.INVERSE_CDF  # the JAX engine's draw (EngineConfig.sampling_draw): gumbel | inverse_cdf
     # free the engine's KV pool and weight copy after each rollout, for the trainer's step
     # (JaxEngine.sleep(weights=True)); the weight sync hands new weights over and the next rollout
     # allocates the pool again (same shape: no recompile)

@@ -82,7 +82,7 @@ from fp8rl_jax.models.policy import Kernels
 from fp8rl_jax.quant.policy import (GemmBackend, LayerPolicy, W8A8Policy, WeightSharding, quantize_params,
                                     quantizing_concat)
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
-from fp8rl_jax.rollout.sampling import Draw, SamplingConfig, SlotSampling, row_keys, sample
+from fp8rl_jax.rollout.sampling import Draw, SamplingConfig, SlotSampling, row_keys, sample, truncates
 from fp8rl_jax.rollout.watchdog import StallWatchdog
 
 _FINISH_CODES = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.MAX_LEN}
@@ -153,10 +153,10 @@ class EngineConfig:
         rounds: the same float32 accumulation and rounding, without a kernel and a float32 write per GEMM
         (H200, Qwen3-8B at 256 rows, session 17 A/B on one machine: none step 22.70 -> 22.11 ms, kv
         17.04 -> 16.62). Default on.
-      sampling_draw: how sampled rows draw their token (`fp8rl_jax.rollout.sampling.Draw`): Gumbel-max
-        (default: V threefry numbers per row, ~0.29 ms of a Qwen3-8B decode step at 256 rows on the H200,
-        session 17) or the inverse CDF (one uniform per row; the same distribution, other tokens for a
-        seed; its GPU time not yet measured). Greedy rows and the logprobs do not depend on it.
+      sampling_draw: how sampled rows draw their token (`fp8rl_jax.rollout.sampling.Draw`): the inverse
+        CDF (default: one uniform per row) or Gumbel-max (V threefry numbers per row): the same
+        distribution, other tokens for a seed. H200, Qwen3-8B kv decode at 256 rows (session 19, one
+        machine): 16.30 ms per step against Gumbel's 16.52. Greedy rows and the logprobs do not depend on it.
     """
 
     max_slots: int = 32
@@ -181,7 +181,7 @@ class EngineConfig:
     fuse_projections: bool | None = None
     fp8_gemm: GemmBackend = GemmBackend.AUTO
     fused_cast: bool = True
-    sampling_draw: Draw = Draw.GUMBEL
+    sampling_draw: Draw = Draw.INVERSE_CDF
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -477,7 +477,8 @@ class JaxEngine:
         self.kv_scales_fresh = True
 
     def warmup(self, min_prompt_len: int = 1, max_prompt_len: int | None = None,
-               progress: Callable[[str, float], None] | None = None, recompute: bool = True) -> float:
+               progress: Callable[[str, float], None] | None = None, recompute: bool = True,
+               truncation: bool = False) -> float:
         """Compiles every program a generate can need, without changing the engine's state: the
         decode loop, the prefill of every bucket from ``bucket(min_prompt_len)`` up to
         ``bucket(max_seq_len)`` (a sequence recomputed after preemption is prefilled at its whole
@@ -489,7 +490,9 @@ class JaxEngine:
         program (compile and one run). ``recompute=False`` stops the prefill buckets at
         ``bucket(max_prompt_len)``: right when no preemption can happen (every request fits at
         ``max_seq_len`` at once, see ``sequences_that_fit``), and it saves a compile per bucket
-        (15-25 s each at 8B scale). Returns the seconds spent."""
+        (15-25 s each at 8B scale). The prefill and decode programs are those of calls without
+        top-k / top-p rows (each call's truncation is decided on the host, `_truncation`);
+        ``truncation=True`` compiles those of calls with such rows too. Returns the seconds spent."""
         if not 1 <= min_prompt_len <= self.max_seq_len:
             raise ValueError(f"min_prompt_len must be in [1, max_seq_len = {self.max_seq_len}], got {min_prompt_len}")
         top = self.max_seq_len if max_prompt_len is None else max_prompt_len
@@ -510,18 +513,22 @@ class JaxEngine:
         lo, hi = self._bucket(min_prompt_len), self._bucket(self.max_seq_len if recompute else top)
         buckets = sorted({b for b in self.config.prefill_buckets if lo <= b <= hi} | {hi})
         P, B = self.config.prefill_batch, self.config.max_slots
-        sampling, stops, remaining = self._slot_arrays([None] * P)
-        for T in buckets:  # padding rows: slot ids out of range, no token to write
-            out = _prefill(self.params, self.cache, *self._put((np.full((P,), B, np.int32), np.zeros((P, T), np.int32),
-                                                               np.zeros((P,), np.int32))),
-                           sampling, stops, remaining, **self._static)
+        for trunc in (False, True) if truncation else (False,):
+            tag = " (top-k/top-p)" if trunc else ""
+            sampling, stops, remaining = self._slot_arrays([None] * P)
+            for T in buckets:  # padding rows: slot ids out of range, no token to write
+                out = _prefill(self.params, self.cache,
+                               *self._put((np.full((P,), B, np.int32), np.zeros((P, T), np.int32),
+                                           np.zeros((P,), np.int32))),
+                               sampling, stops, remaining, truncation=trunc, **self._static)
+                self.cache = out[3]
+                done(f"prefill {P}x{T}{tag}", out)
+            sampling, stops, remaining = self._slot_arrays([None] * B)
+            out = _decode(self.params, self.cache, *self._put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
+                          sampling, stops, remaining, steps=self.config.steps_per_call, truncation=trunc,
+                          **self._static)
             self.cache = out[3]
-            done(f"prefill {P}x{T}", out)
-        sampling, stops, remaining = self._slot_arrays([None] * B)
-        out = _decode(self.params, self.cache, *self._put((np.zeros((B,), np.int32), np.zeros((B,), bool))), sampling,
-                      stops, remaining, steps=self.config.steps_per_call, **self._static)
-        self.cache = out[3]
-        done(f"decode {B}x{self.config.steps_per_call}", out)
+            done(f"decode {B}x{self.config.steps_per_call}{tag}", out)
         if self.config.fp8_kv and self.config.kv_calibration is KvCalibration.INFERENCE:
             n = self.config.kv_calibration_prompts
             for T in (b for b in buckets if b <= self._bucket(top)):
@@ -726,6 +733,14 @@ class JaxEngine:
                 remaining[i] = r.sampling.max_tokens - len(r.generated)
         return self._put((sampling, stops, remaining))
 
+    def _truncation(self, reqs: list[_Request | None]) -> bool:
+        """Whether any request of a call truncates its draw (top-k / top-p): decided here on the
+        host and compiled in (`sample`'s ``truncation``), not branched on in the device program. A
+        ``lax.cond`` there copies its predicate to the host on XLA:GPU and holds the dispatching
+        thread until the GPU reaches it, every decode step: a chunk's dispatch could not return
+        before the chunk before it had run, so the host's work between chunks left the GPU idle."""
+        return any(r is not None and truncates(r.sampling, self.model_config.vocab_size) for r in reqs)
+
     def _put(self, tree: Any) -> Any:
         """Host values (NumPy or jnp arrays, pytrees of them) as the device programs take them: on the
         default device, or with a mesh replicated over it. With a mesh, the cache arrays the programs
@@ -760,7 +775,8 @@ class JaxEngine:
         self.cache = self.cache.replace(page_table=self._put(page_table))
         t0 = time.perf_counter()
         tok, lp, code, self.cache, routing = _prefill(self.params, self.cache, *self._put((slot_ids, tokens, num_new)),
-                                                      sampling, stops, remaining, **self._static)
+                                                      sampling, stops, remaining, truncation=self._truncation(reqs),
+                                                      **self._static)
         self._count(prefill_calls=1, prefill_tokens=int(num_new.sum()), prefill_s=self._completed((tok, lp, code), t0))
         tok, lp, code = np.asarray(tok), np.asarray(lp), np.asarray(code)
         routing = None if routing is None else np.asarray(routing)
@@ -818,7 +834,8 @@ class JaxEngine:
         self.cache = self.cache.replace(page_table=self._put(page_table), lengths=cache_lengths)
         t0 = time.perf_counter()
         toks, lps, codes, self.cache, routing, state = _decode(self.params, self.cache, last, active, sampling, stops,
-                                                              remaining, steps=steps, **self._static)
+                                                              remaining, steps=steps, truncation=self._truncation(reqs),
+                                                              **self._static)
         host_s = time.perf_counter() - self._clock
         # KV tokens read (stats): each row running at the call's start reads its whole context every
         # step; for a continuing row the host's length lags by the chunk in flight (up to ``steps``)
@@ -1009,10 +1026,11 @@ def _dense_concat(parts: list, paths: list) -> Any:
     return None if "experts" in paths[0] else concat_parts(parts)
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "policy", "max_seq_len", "record_routing", "draw"),
+@functools.partial(jax.jit, static_argnames=("model_config", "policy", "max_seq_len", "record_routing", "draw",
+                                             "truncation"),
                    donate_argnums=(1,))
 def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remaining, *, model_config, policy,
-             max_seq_len, record_routing=False, draw=Draw.GUMBEL):
+             max_seq_len, record_routing=False, draw=Draw.INVERSE_CDF, truncation=None):
     """Prefills rows ``slot_ids`` (out of range for padding rows) and samples their next token;
     with ``record_routing`` also returns the experts of every prefilled position [P, T, L_moe, k]."""
     view = cache.replace(page_table=jnp.take(cache.page_table, slot_ids, axis=0, mode="clip"),
@@ -1021,7 +1039,7 @@ def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remainin
                                      num_new=num_new, record_routing=record_routing,
                                      logits_at=jnp.maximum(num_new - 1, 0))
     last = logits[:, 0]
-    tok, lp = sample(last, sampling, row_keys(sampling.seed, num_new), draw)
+    tok, lp = sample(last, sampling, row_keys(sampling.seed, num_new), draw, truncation)
     code = _finish_code(tok, stops, remaining, num_new, max_seq_len)
     cache = cache.replace(k_pages=view.k_pages, v_pages=view.v_pages,
                           lengths=cache.lengths.at[slot_ids].set(view.lengths, mode="drop"))
@@ -1029,9 +1047,9 @@ def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remainin
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "model_config", "policy", "max_seq_len", "record_routing",
-                                             "draw"), donate_argnums=(1,))
+                                             "draw", "truncation"), donate_argnums=(1,))
 def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, model_config, policy, max_seq_len,
-            record_routing=False, draw=Draw.GUMBEL):
+            record_routing=False, draw=Draw.INVERSE_CDF, truncation=None):
     """``steps`` decode steps for every slot; finished or empty slots write nothing. With
     ``record_routing`` also returns the experts of the token each step fed in [B, steps, L_moe, k].
     The last element is the slots' state after the chunk (last token, still active, tokens left),
@@ -1043,7 +1061,7 @@ def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, m
         logits, cache, experts = _forward(params, last[:, None], model_config=model_config, policy=policy,
                                           cache=cache, num_new=active.astype(jnp.int32),
                                           record_routing=record_routing)
-        tok, lp = sample(logits[:, 0], sampling, row_keys(sampling.seed, cache.lengths), draw)
+        tok, lp = sample(logits[:, 0], sampling, row_keys(sampling.seed, cache.lengths), draw, truncation)
         code = jnp.where(active, _finish_code(tok, stops, remaining, cache.lengths, max_seq_len), 0)
         if record_routing:
             out_routing = out_routing.at[:, j].set(experts[:, 0])

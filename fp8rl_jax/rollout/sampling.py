@@ -28,9 +28,9 @@ Sampling
   vLLM order); renormalize; draw. Two draws, both exact samples of ``softmax(z)``
   restricted to the kept set and renormalized (`Draw`):
 
-  - ``Draw.GUMBEL`` (the default): Gumbel-max, ``token = argmax_{j kept}(z_j + g_j)``
+  - ``Draw.GUMBEL``: Gumbel-max, ``token = argmax_{j kept}(z_j + g_j)``
     with ``g ~ Gumbel(0, 1)^V`` from the row's key: ``V`` threefry numbers per row.
-  - ``Draw.INVERSE_CDF``: one uniform ``u`` per row from its key; the token is the
+  - ``Draw.INVERSE_CDF`` (the default): one uniform ``u`` per row from its key; the token is the
     first kept one (vocabulary order) whose cumulative unnormalized mass
     ``sum_{i <= j} exp(z_i - max z)`` exceeds ``u`` times the total, found in two
     levels: masses of 128-token chunks (one pass over ``[B, V]``, fused with the
@@ -41,8 +41,9 @@ Sampling
     rounding of the prefix sums at ``u`` near 1 falls back to the last such token).
     At 256 x 151936 the Gumbel draw's random numbers were ~0.29 ms of an H200 decode
     step (session 17's profile: the draw's fusion alone 287 us, compute bound); this
-    one draws 256. Its GPU time is not yet measured (on a 2-core CPU, 256 x 151936
-    bf16 logits: 254 ms against Gumbel's 1073).
+    one draws 256. H200, Qwen3-8B kv decode at 256 rows, one machine (session 19):
+    16.30 ms per step against Gumbel's 16.52 (the profile's reductions 0.36 -> 0.16 ms);
+    on a 2-core CPU, 256 x 151936 bf16 logits: 254 ms against Gumbel's 1073.
 
 Design choices, and why
 -----------------------
@@ -62,7 +63,11 @@ Design choices, and why
 * **One sort per row, and only when needed.** The kept set is found in sorted space,
   then mapped back to vocabulary order by a threshold ``(value, id)`` comparison
   (no scatter). When no sampled row of the batch uses top-k or top-p (the usual RL
-  setting, ``T = 1``), a ``lax.cond`` skips the ``[B, V]`` sort entirely. Because the
+  setting, ``T = 1``), the ``[B, V]`` sort is skipped entirely: decided on the host
+  when the caller says (``sample(..., truncation=False)``: the engine knows its rows'
+  settings), else by a ``lax.cond``. A conditional on XLA:GPU copies its predicate to
+  the host and blocks the launching thread until the GPU reaches it, so a jitted loop
+  around one cannot be dispatched ahead of the device (see ``sample``). Because the
   Gumbel noise is applied in vocabulary order, the sorted and unsorted paths draw
   the same token for the same key, so a row's result never depends on its
   neighbours' settings. (The sort is a stable ``lax.sort`` of ``(-z, id)`` over
@@ -90,7 +95,7 @@ import numpy as np
 
 Array = jax.Array
 
-__all__ = ["Draw", "SamplingConfig", "SlotSampling", "row_keys", "sample"]
+__all__ = ["Draw", "SamplingConfig", "SlotSampling", "row_keys", "sample", "truncates"]
 
 _SEED_LIMIT = 2**31
 _CDF_CHUNK = 128  # tokens per chunk of the inverse-CDF draw's first level
@@ -301,8 +306,14 @@ def _inverse_cdf(z: Array, z_max: Array, z_star: Array, id_star: Array, u: Array
     return chunk * _CDF_CHUNK + _first_above(base[:, None] + jnp.cumsum(wc, axis=1), target, wc), log_z
 
 
+def truncates(config: SamplingConfig, vocab_size: int) -> bool:
+    """Whether a request's draw is truncated (top-k below the vocabulary or top-p below 1, at
+    ``T > 0``): when no row of a call truncates, ``sample(..., truncation=False)`` is exact for it."""
+    return config.temperature > 0 and (0 < config.top_k < vocab_size or config.top_p < 1)
+
+
 def sample(logits: Array, sampling: SlotSampling, keys: Array,
-           draw: Draw = Draw.GUMBEL) -> tuple[Array, Array]:
+           draw: Draw = Draw.INVERSE_CDF, truncation: bool | None = None) -> tuple[Array, Array]:
     """Draws one token per row; returns ``(tokens [B] int32, logprobs [B] float32)``.
 
     Args:
@@ -310,6 +321,13 @@ def sample(logits: Array, sampling: SlotSampling, keys: Array,
       sampling: per-row parameters (:class:`SlotSampling` with ``[B]`` fields).
       keys: ``[B]`` typed PRNG keys, normally ``row_keys(sampling.seed, position)``.
       draw: how sampled rows draw (`Draw`); greedy rows and the logprobs do not depend on it.
+      truncation: whether any row truncates (top-k / top-p), decided by the caller on the host
+        (`truncates` of each row's config): ``True`` always finds the kept sets (the sort),
+        ``False`` keeps every token, and must only be given when no row truncates. ``None``
+        (default) decides on the device with a ``lax.cond``: on XLA:GPU that copies the
+        predicate to the host and blocks the launching thread until the GPU gets there, so a
+        jitted loop around it cannot run ahead of the device (the engine passes the flag).
+        Same tokens and logprobs all three ways.
 
     ``logprobs[b] = log_softmax(logits[b] / T_b)[tokens[b]]`` (``T_b = 1`` for greedy
     rows), over the full vocabulary, before top-k / top-p truncation: see the module
@@ -328,6 +346,8 @@ def sample(logits: Array, sampling: SlotSampling, keys: Array,
         raise ValueError(f"keys must be [{b}], got {keys.shape}")
     if not isinstance(draw, Draw):
         raise ValueError(f"draw must be a Draw, got {draw!r}")
+    if truncation is not None and not isinstance(truncation, (bool, np.bool_)):
+        raise ValueError(f"truncation must be None, True or False, got {truncation!r}")
 
     temperature = sampling.temperature.astype(jnp.float32)
     top_p = sampling.top_p.astype(jnp.float32)
@@ -346,11 +366,16 @@ def sample(logits: Array, sampling: SlotSampling, keys: Array,
     # an operand of the cond is a buffer, so z as one may be a float32 [B, V] write every step whether or
     # not the branch runs (the H200 profiles have such a write, 57 us; untimed since); outside the cond, XLA
     # may fuse z into each consumer.
-    z_star, id_star = jax.lax.cond(
-        jnp.any(needs_truncation),
-        lambda: _kept_threshold(scaled(logits), top_k, top_p),
-        lambda: (jnp.full((b,), -jnp.inf, jnp.float32), jnp.full((b,), v, jnp.int32)),
-    )
+    def kept():
+        return _kept_threshold(scaled(logits), top_k, top_p)
+
+    def everything():
+        return jnp.full((b,), -jnp.inf, jnp.float32), jnp.full((b,), v, jnp.int32)
+
+    if truncation is None:
+        z_star, id_star = jax.lax.cond(jnp.any(needs_truncation), kept, everything)
+    else:
+        z_star, id_star = kept() if truncation else everything()
     top = jnp.argmax(z, axis=1).astype(jnp.int32)
     if draw is Draw.GUMBEL:
         log_z = jax.nn.logsumexp(z, axis=1)
