@@ -42,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp8rl_jax.environment import enable_compilation_cache, run_environment  # noqa: E402
+from fp8rl_jax.environment import GpuMonitor, enable_compilation_cache, run_environment  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params  # noqa: E402
 from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
@@ -245,7 +245,8 @@ def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampli
     """One timed generate of the workload on the warm engine: throughput, step time and roofline."""
     t0 = time.perf_counter()
     engine.progress = _progress_reporter(mode, t0, partial)
-    batch = engine.generate(prompts, sampling)
+    with GpuMonitor() as gpu:  # clocks, power and throttle reasons along the run (None off a GPU)
+        batch = engine.generate(prompts, sampling)
     engine.progress = None
     wall = time.perf_counter() - t0
     generated = int(batch.lengths.sum())
@@ -280,6 +281,7 @@ def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampli
         # (profile_decode.py --lengths equal --pages engine) and the host's time per call beside the device's
         "decode_calls": [[round(s_ / cfg.engine.steps_per_call * 1e3, 3), n, round(c / max(n, 1), 1), round(h * 1e3, 2)]
                          for s_, n, c, h in engine.decode_log],
+        "gpu_during_run": gpu.summary(),
     }
 
 
@@ -434,7 +436,7 @@ if __name__ == "__main__":
                     help="q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections; auto: on, on one device)")
     ap.add_argument("--fused-cast", choices=["on", "off"], default="on",
                     help="EngineConfig.fused_cast: the BF16 GEMMs write BF16 themselves (off: float32 + a convert)")
-    ap.add_argument("--draw", choices=[d.value for d in Draw], default=Draw.GUMBEL.value,
+    ap.add_argument("--draw", choices=[d.value for d in Draw], default=Draw.INVERSE_CDF.value,
                     help="EngineConfig.sampling_draw: Gumbel-max (V random numbers per row) or the inverse CDF (one)")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="the dense FP8 GEMM of the w8a8/all modes (EngineConfig.fp8_gemm): our Mosaic kernel or "

@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from configs.models import PRESETS  # noqa: E402
-from fp8rl_jax.environment import run_environment  # noqa: E402
+from fp8rl_jax.environment import GpuMonitor, run_environment  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, init_params  # noqa: E402
 from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
 from fp8rl_jax.rollout import engine as engine_mod  # noqa: E402
@@ -133,7 +133,8 @@ def setup(engine: JaxEngine, batch: int, context: int, seed: int, lengths: Lengt
           order: PageOrder = PageOrder.SHUFFLED, prompt_len: int = 1024, calls: int = 1):
     """Fills the engine's cache metadata with a batch of ``lengths`` (`Lengths`) and pages in ``order``
     (`PageOrder`; ENGINE: prompts of ``prompt_len`` tokens); every row gets the pages of the tokens ``calls``
-    decode calls add. Returns the row lengths and the `_decode` arguments."""
+    decode calls add. Returns the row lengths, the `_decode` arguments and its static ``truncation``
+    (decided on the host as the engine does: these rows use neither top-k nor top-p)."""
     rng = np.random.default_rng(seed)
     ps, steps = engine.config.page_size, engine.config.steps_per_call
     if lengths is Lengths.UNIFORM:
@@ -150,13 +151,14 @@ def setup(engine: JaxEngine, batch: int, context: int, seed: int, lengths: Lengt
     sampling, stops, remaining = engine._slot_arrays(reqs)
     last = jnp.asarray(rng.integers(2, engine.model_config.vocab_size, batch).astype(np.int32))
     active = jnp.ones((batch,), bool)
-    return lengths, (last, active, sampling, stops, remaining)
+    return lengths, (last, active, sampling, stops, remaining), engine._truncation(reqs)
 
 
 def run_mode(args, params, mode: Fp8Mode) -> dict:
     cfg = PRESETS[args.preset]
     ps = 16
-    max_seq = args.context + args.steps * (args.repeats + 3) + ps
+    calls = 3 if args.hold else args.repeats + 2  # compile, repeats (one state with --hold), trace
+    max_seq = args.context + args.steps * (calls + 1) + ps
     pages = args.batch * -(-max_seq // ps) + 8
     ec = EngineConfig(max_slots=args.batch, page_size=ps, num_pages=pages, max_seq_len=max_seq,
                       steps_per_call=args.steps, precision=mode, dtype=args.dtype,
@@ -164,34 +166,38 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
                       fp8_gemm=GemmBackend(args.fp8_gemm), fused_cast=args.fused_cast == "on",
                       sampling_draw=Draw(args.draw))
     engine = JaxEngine(cfg, params, ec)
-    lengths, rest = setup(engine, args.batch, args.context, args.seed, Lengths(args.lengths), PageOrder(args.pages),
-                          args.prompt_len, calls=args.repeats + 2)  # compile, repeats, trace
+    lengths, rest, truncation = setup(engine, args.batch, args.context, args.seed, Lengths(args.lengths),
+                                      PageOrder(args.pages), args.prompt_len, calls=calls)
+    start_lengths = np.asarray(engine.cache.lengths)  # a host copy: the cache is donated to each call
 
     def call():
-        out = engine_mod._decode(engine.params, engine.cache, *rest, steps=args.steps, **engine._static)
-        engine.cache = out[3]
+        out = engine_mod._decode(engine.params, engine.cache, *rest, steps=args.steps, truncation=truncation,
+                                 **engine._static)
+        # --hold: every call starts from the same lengths (it rewrites the same KV slots): one state, any repeats
+        engine.cache = out[3].replace(lengths=jnp.asarray(start_lengths)) if args.hold else out[3]
         return jax.block_until_ready(out[0])
 
     t0 = time.perf_counter()
     call()
     compile_s = time.perf_counter() - t0
     times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
+    with GpuMonitor(interval_ms=100) as gpu:  # the timed calls' clocks and power, beside a long run's (bench_rollout)
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
     step_ms = statistics.median(times) / args.steps * 1e3
     # roofline of one step at the mean context of the timed calls
     kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if ec.fp8_kv else jnp.dtype(args.dtype)
     kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
-    mean_ctx = float(lengths.mean()) + args.steps * (args.repeats + 1) / 2
+    mean_ctx = float(lengths.mean()) + args.steps * (1 if args.hold else args.repeats + 1) / 2
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.params))
     kv_bytes = args.batch * mean_ctx * kv_token
     roof_ms = (weight_bytes + kv_bytes) / HBM_BPS * 1e3
     row = {"mode": mode.value, "paged_attention": paged_kernel.describe_config(engine.kv_dtype),
            "compile_s": compile_s, "call_s": times, "step_ms": step_ms,
            "tokens_per_s": args.batch / step_ms * 1e3, "weight_gb": weight_bytes / 1e9, "kv_gb_per_step": kv_bytes / 1e9,
-           "roofline_step_ms": roof_ms, "hbm_fraction": roof_ms / step_ms}
+           "roofline_step_ms": roof_ms, "hbm_fraction": roof_ms / step_ms, "gpu_during_calls": gpu.summary()}
     if jax.default_backend() == "gpu" and not args.no_trace:
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d):
@@ -213,7 +219,7 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
                                  sorted(by_name.items(), key=lambda kv: -kv[1])[:25]},
         }
         if args.hlo:  # what each top XLA kernel computes, from the program's optimized HLO
-            hlo = engine_mod._decode.lower(engine.params, engine.cache, *rest, steps=args.steps,
+            hlo = engine_mod._decode.lower(engine.params, engine.cache, *rest, steps=args.steps, truncation=truncation,
                                            **engine._static).compile().as_text()
             row["trace"]["top_kernels_hlo"] = fusion_hlo(hlo, list(row["trace"]["top_kernels_us_per_step"]))
     print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
@@ -240,7 +246,7 @@ def main(argv=None) -> dict:
                     help="EngineConfig.fuse_projections (auto: on, on one device)")
     ap.add_argument("--fused-cast", choices=["on", "off"], default="on",
                     help="EngineConfig.fused_cast: the BF16 GEMMs write BF16 themselves (off: float32 + a convert)")
-    ap.add_argument("--draw", choices=[d.value for d in Draw], default=Draw.GUMBEL.value,
+    ap.add_argument("--draw", choices=[d.value for d in Draw], default=Draw.INVERSE_CDF.value,
                     help="EngineConfig.sampling_draw: how the rows (temperature 1) draw their tokens")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic)")
@@ -250,6 +256,9 @@ def main(argv=None) -> dict:
                     help="page placement: shuffled through the pool, or as the engine hands pages out in W1 (each "
                          "row's prompt pages contiguous, then one page per row per decode call, side by side)")
     ap.add_argument("--prompt-len", type=int, default=1024, help="the prompt length of --pages engine")
+    ap.add_argument("--hold", action="store_true",
+                    help="every timed call starts from the same lengths, so --repeats N runs one state for N calls "
+                         "(a sustained run's clocks and step time beside a short one's; call_s keeps each call)")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--hlo", action="store_true",
                     help="also record the optimized HLO of the top XLA kernels (compiles the decode program again)")

@@ -52,3 +52,104 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, min_compile_
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # else the user's threshold stands
         jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
     return folder
+
+
+# nvidia-smi's clock-event (throttle) reason bits (nvml.h, nvmlClocksEventReason*)
+_CLOCK_EVENTS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                 0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
+                 0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
+_SMI_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+_SMI_REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+
+class GpuMonitor:
+    """Samples a GPU's SM and memory clocks, power, temperature and clock-event (throttle) reasons
+    with ``nvidia-smi`` every ``interval_ms`` (a background thread, one query each) while a benchmark
+    runs, so a result can say whether the GPU held its clocks (a 40 s rollout run draws far more
+    power than a 1 s profile of the same decode step)::
+
+        with GpuMonitor() as gpu:
+            run()
+        row["gpu_during_run"] = gpu.summary()   # None where there is no nvidia-smi
+
+    ``summary()``: samples, SM clock (median / min / max MHz), memory clock (median), power (mean /
+    max W), temperature (max C), and each clock-event reason seen with the fraction of samples it
+    was active in (None where the driver names no reasons field). The GPU is the first one
+    ``CUDA_VISIBLE_DEVICES`` names (else GPU 0). A failing query never fails the run."""
+
+    def __init__(self, interval_ms: int = 500, smi: str = "nvidia-smi"):
+        self.interval_ms, self.smi = int(interval_ms), smi
+        self._lines: list[str] = []
+        self._fields: tuple[str, ...] = ()
+        self._thread = None
+        self._stop = None
+
+    def _query(self, fields: tuple[str, ...]):
+        import subprocess
+
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        try:
+            return subprocess.run([self.smi, "-i", gpu, f"--query-gpu={','.join(fields)}",
+                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    def __enter__(self) -> GpuMonitor:
+        import shutil
+        import threading
+
+        if shutil.which(self.smi) is None:
+            return self
+        for reasons in (*_SMI_REASONS, None):  # the reasons field's name changed across drivers
+            fields = _SMI_FIELDS + ((reasons,) if reasons else ())
+            probe = self._query(fields)
+            if probe is not None and probe.returncode == 0:
+                self._fields = fields
+                break
+        else:
+            return self
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.is_set():
+                out = self._query(self._fields)
+                if out is not None and out.returncode == 0:
+                    self._lines.extend(ln for ln in out.stdout.splitlines() if ln.strip())
+                self._stop.wait(self.interval_ms / 1e3)
+
+        self._thread = threading.Thread(target=loop, name="GpuMonitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=15)
+            self._thread = None
+
+    def summary(self) -> dict | None:
+        import statistics
+
+        rows = []
+        for line in self._lines:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != len(self._fields):
+                continue
+            try:
+                rows.append([float(p) for p in parts[:4]] + [int(parts[4], 16) if len(parts) > 4 else 0])
+            except ValueError:
+                continue  # "[N/A]" or a cut line
+        if not rows:
+            return None
+        sm, mem, power, temp, reasons = zip(*rows)
+        seen = {}
+        for bit, name in _CLOCK_EVENTS.items():
+            active = sum(1 for r in reasons if r & bit)
+            if active:
+                seen[name] = round(active / len(rows), 3)
+        return {"samples": len(rows), "interval_ms": self.interval_ms,
+                "sm_clock_mhz": {"median": statistics.median(sm), "min": min(sm), "max": max(sm)},
+                "mem_clock_mhz_median": statistics.median(mem),
+                "power_w": {"mean": round(statistics.fmean(power), 1), "max": max(power)},
+                "temperature_c_max": max(temp),
+                "clock_event_reasons": seen if len(self._fields) > 4 else None}

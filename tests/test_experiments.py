@@ -166,6 +166,14 @@ def test_profile_decode_tiny(tmp_path):
     assert out.exists() and [r["mode"] for r in res["runs"]] == ["none", "kv"]
     for r in res["runs"]:
         assert r["step_ms"] > 0 and len(r["call_s"]) == 2 and r["kv_gb_per_step"] > 0 and "trace" not in r
+        assert r["gpu_during_calls"] is None  # no nvidia-smi here
+    # --hold: every call from the same lengths, so the KV read per step is that of one call's state
+    held = prof.main(["--preset", "tiny_qwen3", "--batch", "4", "--context", "40", "--steps", "4", "--repeats", "3",
+                      "--modes", "kv", "--dtype", "float32", "--lengths", "equal", "--hold", "--no-trace"])["runs"][0]
+    kv = res["runs"][1]
+    assert len(held["call_s"]) == 3
+    # per row: context + steps / 2 tokens (held) against context + steps * (repeats + 1) / 2 (2 repeats, advancing)
+    assert held["kv_gb_per_step"] / kv["kv_gb_per_step"] == pytest.approx((40 + 2) / (40 + 6))
 
 
 def test_bench_gemm_says_it_needs_a_gpu(capsys):
