@@ -19,11 +19,11 @@ needed for the offline compile):
 
     python experiments/inspect_triton_codegen.py --triton-python .scratch/venv/bin/python \\
         [--out .scratch/codegen] [--dtypes bfloat16 float8_e4m3fn] [--bp 4 8] [--stages 2 3] \\
-        [--dot-dtypes bfloat16 float16] [--word-gather] [--qk8] [--warps 4]
+        [--dot-dtypes bfloat16 float16] [--word-gather] [--warps 4]
 
-Files: ``OUT/<dtype>[_<dot dtype>]_bp<b>_w<w>_s<s>[_kh<k>][_qk8].{ttir,ttgir,llir,ptx}`` (the dot dtype,
+Files: ``OUT/<dtype>[_<dot dtype>]_bp<b>_w<w>_s<s>[_kh<k>].{ttir,ttgir,llir,ptx}`` (the dot dtype,
 ``fp8_dot_dtype``, named for FP8 pools only; other pools ignore it). The loop's SASS, by instruction kind, comes
-from the triton wheel's ``cuobjdump -sass`` on the ``.cubin`` (session 18's counts in `paged_attention`'s note).
+from the triton wheel's ``cuobjdump -sass`` on the ``.cubin``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def dump(captured: list[str], out: Path, dtypes, bps, stages, warps, batch: int, context: int,
-         dot_dtypes=("bfloat16",), word_gather: bool = False, kv_heads=(1,), qk8: bool = False) -> list[dict]:
+         dot_dtypes=("bfloat16",), word_gather: bool = False, kv_heads=(1,)) -> list[dict]:
     """TTIR of `_paged_attention` per config (``captured``: the list `triton_ir_for_h200` fills)."""
     import functools
 
@@ -59,8 +59,7 @@ def dump(captured: list[str], out: Path, dtypes, bps, stages, warps, batch: int,
                                                     kv_heads):
             captured.clear()
             cfg = pa.PagedAttentionConfig(pages_per_block=bp, pages_per_split=64, num_warps=w, num_stages=st,
-                                          fp8_dot_dtype=ddt, fp8_word_gather=word_gather, kv_heads_per_program=kh,
-                                          fp8_qk_dot=qk8)
+                                          fp8_dot_dtype=ddt, fp8_word_gather=word_gather, kv_heads_per_program=kh)
             args = (S((batch, 32, 128), jnp.bfloat16), S((P, 16, 8, 128), jnp.dtype(dt)),
                     S((P, 16, 8, 128), jnp.dtype(dt)), S((), jnp.float32), S((), jnp.float32),
                     S((batch, context // 16 + 1), jnp.int32), S((batch,), jnp.int32))
@@ -70,7 +69,6 @@ def dump(captured: list[str], out: Path, dtypes, bps, stages, warps, batch: int,
             words = "_words" if fp8 and word_gather and ddt == "float16" else ""
             name = f"{dt}_{ddt}{words}_bp{bp}_w{w}_s{st}" if fp8 else f"{dt}_bp{bp}_w{w}_s{st}"
             name += f"_kh{kh}" if kh > 1 else ""
-            name += "_qk8" if fp8 and qk8 else ""
             (out / f"{name}.ttir").write_text(captured[0])
             jobs.append({"name": name, "num_warps": w, "num_stages": st})
     return jobs
@@ -243,7 +241,6 @@ def main(argv=None) -> int:
     p.add_argument("--word-gather", action="store_true",
                    help="fp8_word_gather=True (FP8 pools with float16 dots: uint32 words split into byte planes)")
     p.add_argument("--kv-heads", type=int, nargs="*", default=[1], help="kv_heads_per_program of the configs")
-    p.add_argument("--qk8", action="store_true", help="fp8_qk_dot=True (FP8 pools: the logits' dot in E4M3, keys as M)")
     p.add_argument("--kernel", choices=("paged_attention", "grouped_gemm"), default="paged_attention")
     p.add_argument("--gg-configs", nargs="*", default=["16,64,4,4", "64,128,4,3", "16,64,4,4,swap", "16,128,4,4,swap"],
                    help="grouped_gemm: block_m,block_n,num_warps,num_stages[,swap] per config")
@@ -262,7 +259,7 @@ def main(argv=None) -> int:
                 jobs = dump_grouped_gemm(captured, out, a.gg_configs, *a.gg_shape)
             else:
                 jobs = dump(captured, out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context, a.dot_dtypes,
-                            a.word_gather, a.kv_heads, a.qk8)
+                            a.word_gather, a.kv_heads)
         (out / "jobs.json").write_text(json.dumps(jobs))
     if a.phase == "all":
         env = dict(os.environ, PYTHONPATH="")

@@ -71,24 +71,14 @@ loads (one descriptor copy per page, by page id) into a multi-stage shared-memor
 next pages stream while the current block computes, wgmma with M = 64 filled by the GQA group
 of several kv heads or rows, warp-specialized producer/consumer warpgroups, and an in-kernel
 split combine (no partials round trip); the Triton version relies on ``num_stages`` software
-pipelining of the gathers.
-
-E4M3 logits (``fp8_qk_dot``, session 18): session 7 built E4M3 q.K dots with the query as M and
-dropped them: at M = 16 Triton lowers an E4M3 dot to float16 ``mma.sync`` after the same per-element
-conversions (MMAv2), and it also does so at any M unless the dot allows imprecise accumulation
-(``maxNumImpreciseAcc`` >= 32, which Pallas' lowering leaves out; `enable_fp8_wgmma` sets it to the
-dot's K). With the keys as M (``s^T = K q8^T``: blocks of 64+ tokens, 4 warps) and that attribute
-the dot is a ``wgmma m64n16k32 .e4m3.e4m3`` on K's tile as ``cp.async`` put it in shared memory:
-K is never converted. The query is rounded to E4M3 per query head (scale amax / 448 from its live
-values, so no calibration can be stale), which adds a fraction of what E4M3 K and V storage cost
-(tests: output error within 1.25x of FP8 KV alone; needle error flat to 8k). At most H = 128
-products accumulate in the tensor core before the float32 add, so the long-context failure of
-low-precision accumulation (which sums over tokens) cannot arise. The softmax then runs on the
-transposed ``[tokens, Gp]`` tile, and P@V is unchanged (float16 ``mma.sync`` over V's byte planes).
-Offline sm_90 codegen, loop instructions per 64 tokens summed over warps: 1598 at 8 pages, 4 warps
-(1425 at 16 pages, 2376 at 4) against 1814 for the table's 2-warp config without it (K's ``prmt`` +
-``cvt`` pairs, ~29% of that loop, are gone; the softmax's cross-warp reductions are new). Not yet
-timed on the GPU; `qk8_sweep` and ``main --qk8`` time it.
+pipelining of the gathers. E4M3 q.K dots (the query quantized per row, K fed as stored) were
+built and compiled offline for sm_90 (session 7): at M = 16 Triton 3.6 lowers an E4M3 dot to
+float16 ``mma.sync`` after the same per-element conversions (MMAv2; wgmma needs M >= 64), so they
+saved no instruction and cost the query's rounding; not kept. Session 18 put the keys as M (blocks
+of 64+ tokens, 4 warps, ``maxNumImpreciseAcc`` from `pallas_kernels.common.enable_fp8_wgmma`), which
+compiles to wgmma on K's E4M3 tile as stored (fewer loop instructions offline), but on the H200
+(session 19, B = 256, context <= 2048) its best config took 0.283 ms against 0.260 ms for the table's
+FP8 config, with 12x the output error (4.2e-2 against 3.5e-3); removed.
 
 Several kv heads per program (``kv_heads_per_program``, session 11): the heads of a program share
 the block loop and each block's page-id load, and their K/V gathers are issued together, so a
@@ -140,19 +130,16 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.quant.fp8 import Fp8Format, saturating_cast
-from pallas_kernels.common import (device_kind, enable_fp8_wgmma, median_ms, resolve_interpret, tuning_entries,
-                                   write_results, write_tuning)
+from pallas_kernels.common import (device_kind, median_ms, resolve_interpret, tuning_entries, write_results,
+                                   write_tuning)
 
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
-enable_fp8_wgmma()  # `fp8_qk_dot`: E4M3 dots on wgmma, not the float16 mma.sync fallback (see its note)
 _POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), _FP8)
 _Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _MASK_VALUE = float(np.finfo(np.float32).min)
 MIN_ROWS = 16  # smallest M of a Triton dot
 _FP8_DOT_DTYPES = ("bfloat16", "float16")
 _F16_MAX = float(np.finfo(np.float16).max)
-_E4M3_MAX = Fp8Format.E4M3.max
 
 
 class KvLayout(enum.Enum):
@@ -205,14 +192,6 @@ class PagedAttentionConfig:
         fastest, so the programs of one row's kv heads run side by side and read the same tokens' K/V
         rows together (in the NHD layout one token's heads are adjacent: 8 x 128 bytes of FP8 at
         Qwen3's 8 kv heads, where one program reads one 128-byte run). Same results, bit for bit.
-      fp8_qk_dot: FP8 pools only: the logits' dot in E4M3 with the keys as M (swapped: ``s^T = K
-        q8^T``, ``[tokens, Gp]``), so that a block of 64+ tokens fills the M of a Hopper wgmma, which
-        takes E4M3 operands from shared memory as stored: no per-element conversion of K (the
-        conversions were ~29% of the FP8 kernel's loop instructions). The query is quantized in the
-        kernel, per query head, to E4M3 with its own scale (amax / 448, from the live values: never
-        stale), applied to the logits with ``k_scale``. P@V is unchanged (float16 or bfloat16 dots
-        per `fp8_dot_dtype`, the word gather for V). Costs the query's E4M3 rounding (<= 2^-4
-        relative per element, like K's storage rounding); the reference twin rounds q the same way.
     """
 
     pages_per_block: int = 8
@@ -224,7 +203,6 @@ class PagedAttentionConfig:
     fp8_word_gather: bool = False
     kv_heads_per_program: int = 1
     heads_fastest: bool = False
-    fp8_qk_dot: bool = False
 
     def __post_init__(self):
         if not _pow2(self.kv_heads_per_program):
@@ -330,22 +308,6 @@ def _planes(tile, planes: int, cdt, asm: bool) -> list:
             for j in range(4)]
 
 
-def _qk8(config: PagedAttentionConfig, pool_dtype) -> bool:
-    """Whether the kernel runs the logits' dot in E4M3 (`fp8_qk_dot`, FP8 pools only)."""
-    return config.fp8_qk_dot and jnp.dtype(pool_dtype) == _FP8
-
-
-def _quantize_rows(q):
-    """``(q8, scale)``: each row of ``q [..., H]`` (float32) as E4M3 codes with a float32 scale,
-    ``q ~= q8 * scale``, ``scale = amax / 448`` (1 for an all-zero row, whose codes are 0). The
-    kernel and the twin run these same operations."""
-    amax = jnp.max(jnp.abs(q), axis=-1)
-    has = amax > 0
-    inv = jnp.where(has, _E4M3_MAX / jnp.where(has, amax, 1.0), 0.0)
-    q8 = saturating_cast(q * inv[..., None])
-    return q8, jnp.where(has, amax / _E4M3_MAX, 1.0)
-
-
 def _word_gather(config: PagedAttentionConfig, pool_dtype, cdt, head_dim: int) -> bool:
     """Whether the kernel gathers the pool as uint32 words split into 4 byte planes."""
     return (config.fp8_word_gather and jnp.dtype(pool_dtype) == _FP8 and jnp.dtype(cdt) == jnp.dtype(jnp.float16)
@@ -355,7 +317,7 @@ def _word_gather(config: PagedAttentionConfig, pool_dtype, cdt, head_dim: int) -
 def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, num_splits: int,
                    pages_per_block: int, pages_per_split: int, max_pages: int, num_pages: int, cdt,
                    planes: int = 1, asm: bool = False, groups: int | None = None, heads: int = 1,
-                   hnd: bool = False, heads_fastest: bool = False, qk8: bool = False):
+                   hnd: bool = False, heads_fastest: bool = False):
     """Refs: len [B], pt [B, max_pages + pages_per_block], scale [2] (k_scale * H^-0.5, v_scale),
     q [Gq, H], k/v [P, page_size, H / planes] (this kv head); out [Gq, H] (S == 1) or o [Gq, H]
     f32 and lse [Gq] f32. ``groups`` (G, default Gq): the real query heads, the first rows of q (Gq is
@@ -368,15 +330,12 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     the natural order. ``heads`` > 1 (`kv_heads_per_program`): q, out, o and lse gain a leading axis
     of that many kv heads and k/v are [P, page_size, heads, H / planes] ([P, heads, page_size, H /
     planes] with ``hnd``); the heads share the block loop and its page ids, each with its own softmax
-    state. ``heads_fastest``: the grid is (heads, B, S) instead of (B, heads, S). ``qk8``
-    (`fp8_qk_dot`): k stays E4M3 ``[..., H]`` (only v is split into planes), q is quantized per row
-    and the logits come transposed, ``[tokens, Gp]``, from one E4M3 dot with the tokens as M."""
+    state. ``heads_fastest``: the grid is (heads, B, S) instead of (B, heads, S)."""
     b, s = pl.program_id(1 if heads_fastest else 0), pl.program_id(2)
     gq = q_ref.shape[-2]
     gp = max(MIN_ROWS, gq)
     g = gq if groups is None else groups
-    ps = k_ref.shape[2] if heads > 1 and hnd else k_ref.shape[1]
-    hw, hk = v_ref.shape[-1], k_ref.shape[-1]  # V tile width (H / planes), K tile width (H / planes, or H)
+    ps, hw = (k_ref.shape[2], k_ref.shape[3]) if heads > 1 and hnd else (k_ref.shape[1], k_ref.shape[-1])
     bp = pages_per_block
     prec = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
 
@@ -391,12 +350,12 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
     # index tiles: [Gp, H / planes] for q (row r; the rows past G read zeros, their index clamped so that no
     # address leaves the block) and [Gq, H / planes] for the output (its rows: an equal power-of-two split of
     # the Gp computed, so the padding rows of the dots cost no output bytes); plane j's head dims are 4c + j
-    def tiles(n, width=hw, n_planes=planes):
-        rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, width))
-        return rows, [jnp.broadcast_to((jnp.arange(width, dtype=jnp.int32) * n_planes + j)[None, :], (n, width))
-                      for j in range(n_planes)]
+    def tiles(n):
+        rows = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, hw))
+        return rows, [jnp.broadcast_to((jnp.arange(hw, dtype=jnp.int32) * planes + j)[None, :], (n, hw))
+                      for j in range(planes)]
 
-    q_rows, q_dims = tiles(gp, hk, 1) if qk8 else tiles(gp)  # q as the logits' dot takes it
+    q_rows, q_dims = tiles(gp)
     q_real = q_rows < g
     q_rows = jnp.minimum(q_rows, gq - 1)
     o_rows, o_dims = tiles(gq)
@@ -408,20 +367,18 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
         return x if gq == gp else jnp.split(x, gp // gq, axis=0)[0]
 
     def head_q(hd):
-        qs = [plgpu.load(q_ref.at[at(hd, q_rows, d2)], mask=q_real, other=jnp.zeros(d2.shape, q_ref.dtype))
+        qs = [plgpu.load(q_ref.at[at(hd, q_rows, d2)], mask=q_real, other=jnp.zeros((gp, hw), q_ref.dtype))
               for d2 in q_dims]
-        if qk8:  # E4M3 codes per query row, the row's scale folded into the logits' scale
-            q8, q_scale = _quantize_rows(qs[0].astype(jnp.float32))
-            return [q8], q_scale * scale_ref[0]
         if qs[0].dtype != cdt:  # bfloat16 -> float16: clamp to its range (no inf from a huge query)
             qs = [jnp.clip(q.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt) for q in qs]
-        return qs, scale_ref[0]
+        return qs
 
     qss = [head_q(hd) for hd in range(heads)]
-    v_scale = scale_ref[1]
+    k_scale, v_scale = scale_ref[0], scale_ref[1]
     nt = bp * ps  # tokens per block
     row = jnp.arange(nt, dtype=jnp.int32)
     row_page, row_tok = row // ps, row % ps  # block row -> (page in block, token in page)
+    h_off = jnp.arange(hw, dtype=jnp.int32)
     limit = jnp.minimum(p_end * ps, length)  # tokens of this split's range end here
 
     def body(i, carry):
@@ -431,44 +388,33 @@ def _decode_kernel(len_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, *out_refs, n
         # reshape (a [bp, ps, H] tile reshaped to [nt, H] kept V out of Triton's cp.async pipeline).
         ids = jnp.clip(plgpu.load(pt_ref.at[b, pages]), 0, num_pages - 1)
         ok = pages * ps + row_tok < limit  # [nt]
-
-        def gather(ref, width, hd):  # [nt, width] of kv head hd of this block's tokens (masked past the range)
-            shape2 = (nt, width)
-            ok2 = jnp.broadcast_to(ok[:, None], shape2)
-            ids2, tok2 = jnp.broadcast_to(ids[:, None], shape2), jnp.broadcast_to(row_tok[:, None], shape2)
-            h2 = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], shape2)
+        shape2 = (nt, hw)
+        ok2 = jnp.broadcast_to(ok[:, None], shape2)
+        ids2, tok2 = jnp.broadcast_to(ids[:, None], shape2), jnp.broadcast_to(row_tok[:, None], shape2)
+        h2 = jnp.broadcast_to(h_off[None, :], shape2)
+        tiles = []
+        for hd in range(heads):  # every head's gathers first: all of them in flight before the dots
             if heads == 1:
-                idx = (ids2, tok2, h2)  # an element gather: [nt, width]
+                idx = (ids2, tok2, h2)  # an element gather: [nt, H / planes]
             else:
                 hd2 = jnp.full(shape2, hd, jnp.int32)
                 idx = (ids2, hd2, tok2, h2) if hnd else (ids2, tok2, hd2, h2)
-            return plgpu.load(ref.at[idx], mask=ok2, other=jnp.zeros(shape2, ref.dtype))
-
-        tiles = []
-        for hd in range(heads):  # every head's gathers first: all of them in flight before the dots
-            tiles.append((gather(k_ref, hk, hd), gather(v_ref, hw, hd)))
+            kt = plgpu.load(k_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, k_ref.dtype))
+            vt = plgpu.load(v_ref.at[idx], mask=ok2, other=jnp.zeros(shape2, v_ref.dtype))
+            tiles.append((kt, vt))
         out = []
-        for (qs, c), (kt, vt), (m, l, accs) in zip(qss, tiles, carry):
-            if qk8:  # [nt, Gp]: the tokens are the dot's M, K's E4M3 tile an operand as stored
-                st = jax.lax.dot_general(kt, qs[0], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                st = jnp.where(ok[:, None], st * c[None, :], _MASK_VALUE)
-                m_new = jnp.maximum(m, jnp.max(st, axis=0))
-                alpha = jnp.exp(m - m_new)
-                p = jnp.exp(st - m_new[None, :])
-                l = alpha * l + jnp.sum(p, axis=0)
-                pc = p.T.astype(cdt)
-            else:
-                logits = None
-                for q, kj in zip(qs, _planes(kt, planes, cdt, asm)):
-                    d = jax.lax.dot_general(q, kj, (((1,), (1,)), ((), ())), precision=prec,
-                                            preferred_element_type=jnp.float32)
-                    logits = d if logits is None else logits + d
-                logits = jnp.where(ok[None, :], logits * c, _MASK_VALUE)
-                m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-                alpha = jnp.exp(m - m_new)
-                p = jnp.exp(logits - m_new[:, None])
-                l = alpha * l + jnp.sum(p, axis=1)
-                pc = p.astype(cdt)
+        for qs, (kt, vt), (m, l, accs) in zip(qss, tiles, carry):
+            logits = None
+            for q, kj in zip(qs, _planes(kt, planes, cdt, asm)):
+                d = jax.lax.dot_general(q, kj, (((1,), (1,)), ((), ())), precision=prec,
+                                        preferred_element_type=jnp.float32)
+                logits = d if logits is None else logits + d
+            logits = jnp.where(ok[None, :], logits * k_scale, _MASK_VALUE)
+            m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(logits - m_new[:, None])
+            l = alpha * l + jnp.sum(p, axis=1)
+            pc = p.astype(cdt)
             accs = tuple(acc * alpha[:, None] + jax.lax.dot_general(pc, vj, (((1,), (0,)), ((), ())), precision=prec,
                                                                     preferred_element_type=jnp.float32)
                          for acc, vj in zip(accs, _planes(vt, planes, cdt, asm)))
@@ -509,7 +455,6 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     S = config.grid_splits(max_pages)
     cdt = _dot_dtype(q.dtype, k_pages.dtype, config)
     planes = 4 if _word_gather(config, k_pages.dtype, cdt, H) else 1
-    qk8 = _qk8(config, k_pages.dtype)
     # q as given (the kernel loads the Gp = max(16, go) rows of its dots, zeros past G, and each byte plane's
     # head dims itself): no padded or permuted copy of q, no permutation of the output. Session 17's profile had
     # XLA write q padded to 16 rows in plane order (0.21 ms per 8B decode step, with RoPE) and transpose the
@@ -518,8 +463,8 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     if go != G:  # a group that is no power of two: padding rows up to the next one
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, go - G), (0, 0)))
     if planes > 1:  # [..., H] E4M3 -> [..., H/4] uint32, byte j of word c = dim 4c + j (a bitcast, no copy)
-        words = lambda x: jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], H // 4, 4), jnp.uint32)  # noqa: E731
-        k_pages, v_pages = (k_pages if qk8 else words(k_pages)), words(v_pages)  # qk8: K's dot takes E4M3
+        k_pages, v_pages = (jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], H // 4, 4), jnp.uint32)
+                            for x in (k_pages, v_pages))
     pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, bp)))
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32).reshape(()) * (H**-0.5),
                         jnp.asarray(v_scale, jnp.float32).reshape(())])
@@ -527,7 +472,7 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     kernel = functools.partial(_decode_kernel, num_splits=S, pages_per_block=bp,
                                pages_per_split=config.pages_per_split, max_pages=max_pages, num_pages=P,
                                cdt=cdt, planes=planes, asm=not interpret, groups=G, heads=kh,
-                               hnd=layout is KvLayout.HND, heads_fastest=config.heads_fastest, qk8=qk8)
+                               hnd=layout is KvLayout.HND, heads_fastest=config.heads_fastest)
     hw = H // planes
     hb = None if kh == 1 else kh  # the head axis of a block: squeezed for one head per program
 
@@ -542,13 +487,11 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
         spec((2,), lambda b, k, s: (0,)),
         spec((None, hb, go, H), lambda b, k, s: (b, k, 0, 0)),
     ]
-
-    def pool_spec(width):  # with one head per program the kernel sees [P, page_size, width] in either layout
-        if layout is KvLayout.HND:
-            return spec((P, hb, ps, width), lambda b, k, s: (0, k, 0, 0))
-        return spec((P, ps, hb, width), lambda b, k, s: (0, 0, k, 0))
-
-    in_specs += [pool_spec(H if qk8 else hw), pool_spec(hw)]
+    if layout is KvLayout.HND:  # with one head per program the kernel sees [P, page_size, H] either way
+        pool_spec = spec((P, hb, ps, hw), lambda b, k, s: (0, k, 0, 0))
+    else:
+        pool_spec = spec((P, ps, hb, hw), lambda b, k, s: (0, 0, k, 0))
+    in_specs += [pool_spec, pool_spec]
     if S == 1:
         out_specs = spec((None, hb, go, H), lambda b, k, s: (b, k, 0, 0))
         out_shape = jax.ShapeDtypeStruct((B, K, go, H), q.dtype)
@@ -710,8 +653,7 @@ def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, page_table,
                               config: PagedAttentionConfig = DEFAULT_CONFIG) -> jax.Array:
     """Pure-jnp twin of `paged_attention`: the same math in one block per row (gathers every page
     of the table, masks keys at or past the length; garbage ids are clamped like the kernel's).
-    ``config`` matters only through ``fp8_dot_dtype`` (the dots' operand dtype) and ``fp8_qk_dot``
-    (q rounded to E4M3 per query head, as the kernel does)."""
+    ``config`` matters only through ``fp8_dot_dtype`` (the dots' operand dtype)."""
     _check_operands(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths)
     B, N, H = q.shape
     P, ps, K, _ = k_pages.shape
@@ -723,14 +665,9 @@ def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, page_table,
     vg = v_pages[ids].reshape(B, max_pages * ps, K, H).astype(cdt)
     c = jnp.asarray(k_scale, jnp.float32).reshape(()) * (H**-0.5)
     qg = q.reshape(B, K, N // K, H)
-    if _qk8(config, k_pages.dtype):  # E4M3 codes of q and K: exact products, float32 sums
-        q8, q_scale = _quantize_rows(qg.astype(jnp.float32))
-        logits = jnp.einsum("bkgh,bskh->bkgs", q8.astype(jnp.float32), k_pages[ids].reshape(kg.shape).astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST) * (q_scale * c)[..., None]
-    else:
-        if qg.dtype != cdt:
-            qg = jnp.clip(qg.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt)
-        logits = jnp.einsum("bkgh,bskh->bkgs", qg, kg, precision=prec, preferred_element_type=jnp.float32) * c
+    if qg.dtype != cdt:
+        qg = jnp.clip(qg.astype(jnp.float32), -_F16_MAX, _F16_MAX).astype(cdt)
+    logits = jnp.einsum("bkgh,bskh->bkgs", qg, kg, precision=prec, preferred_element_type=jnp.float32) * c
     valid = jnp.arange(max_pages * ps)[None, :] < jnp.minimum(lengths, max_pages * ps)[:, None]
     logits = jnp.where(valid[:, None, None], logits, _MASK_VALUE)
     vg = jnp.where(valid[:, :, None, None], vg, 0)  # unwritten slots may hold anything (NaN): 0 * NaN
@@ -833,20 +770,6 @@ def fp8_sweep() -> tuple[PagedAttentionConfig, ...]:
     return pairs + base
 
 
-def qk8_sweep() -> tuple[PagedAttentionConfig, ...]:
-    """FP8 pools with the logits' dot in E4M3 (`fp8_qk_dot`, session 18, not yet timed): 4 warps (one
-    warpgroup: wgmma's minimum), blocks of 64-256 tokens (wgmma's M is 64), kv heads fastest, V by word
-    gather (and by bytes at 8 pages). Offline sm_90 codegen (`experiments/inspect_triton_codegen.py
-    --qk8`): per 64 tokens, 1598 warp instructions in the loop at 8 pages (138-144 registers, 3 CTAs per
-    SM), 1425 at 16 pages (255 registers, 2 CTAs; 3 stages spill), 2376 at 4 pages; the table's config
-    without it: 1814."""
-    qk8 = dict(pages_per_split=64, fp8_dot_dtype="float16", heads_fastest=True, fp8_qk_dot=True)
-    words = tuple(PagedAttentionConfig(pages_per_block=b, num_warps=4, num_stages=st, fp8_word_gather=True, **qk8)
-                  for b, st in ((8, 2), (8, 3), (8, 4), (16, 2), (4, 3), (4, 5)))
-    return words + (PagedAttentionConfig(pages_per_block=8, num_warps=4, num_stages=3, **qk8),
-                    PagedAttentionConfig(pages_per_block=16, num_warps=8, num_stages=2, fp8_word_gather=True, **qk8))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Sweep PagedAttentionConfigs (and pool layouts) over Qwen3-8B decode shapes; print GB/s vs
     the HBM copy ceiling."""
@@ -860,8 +783,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wide", action="store_true", help="sweep `wide_sweep()` instead of SWEEP_CONFIGS")
     parser.add_argument("--fp8-focus", action="store_true",
                         help="sweep `fp8_sweep()` (float16 dots only) instead of SWEEP_CONFIGS")
-    parser.add_argument("--qk8", action="store_true",
-                        help="sweep `qk8_sweep()` (`fp8_qk_dot` configs) instead of SWEEP_CONFIGS, next to the table's")
     parser.add_argument("--fp8-dot-dtypes", nargs="*", default=list(_FP8_DOT_DTYPES), choices=_FP8_DOT_DTYPES,
                         help="for FP8 pools, time every config with each of these dot dtypes")
     parser.add_argument("--tuning-out", default=None,
@@ -888,8 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paged_attention benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
               "nothing to do.")
         return 0
-    sweep = (qk8_sweep() if args.qk8 else wide_sweep() if args.wide else fp8_sweep() if args.fp8_focus
-             else SWEEP_CONFIGS)
+    sweep = wide_sweep() if args.wide else fp8_sweep() if args.fp8_focus else SWEEP_CONFIGS
     # the table's config (this device's measured best, if any) is timed first, next to DEFAULT_CONFIG
     first = tuple(dict.fromkeys(default_config(jnp.dtype(d)) for d in args.dtypes))
 
@@ -915,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         kp, vp = kp_nhd, vp_nhd
                     shape_configs = variants((default_config(jnp.dtype(dtype_name)),)) if args.table_only else configs
-                    if jnp.dtype(dtype_name) == _FP8 and not (args.fp8_focus or args.table_only or args.qk8):
+                    if jnp.dtype(dtype_name) == _FP8 and not (args.fp8_focus or args.table_only):
                         shape_configs = tuple(dict.fromkeys(dataclasses.replace(c, fp8_dot_dtype=d)
                                                             for c in shape_configs for d in args.fp8_dot_dtypes))
                     row = _bench_shape(args, t_start, shape_configs, layout, dtype_name, batch, context, nbytes,
@@ -976,10 +896,10 @@ def _bench_shape(args, t_start, configs, layout, dtype_name, batch, context, nby
             row["configs"].append({"config": dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
         gbs = nbytes / (ms * 1e-3) / 1e9
-        if args.table_only or args.qk8:
+        if args.table_only:
             print(f"  {dtype_name} {layout.value} kh={run_cfg.kv_heads_per_program} bp={run_cfg.pages_per_block} "
                   f"w={run_cfg.num_warps} st={run_cfg.num_stages} words={run_cfg.fp8_word_gather} "
-                  f"qk8={run_cfg.fp8_qk_dot} heads_fastest={run_cfg.heads_fastest}: {ms:.4f} ms, "
+                  f"heads_fastest={run_cfg.heads_fastest}: {ms:.4f} ms, "
                   f"{100 * gbs / (HBM_COPY_TBPS * 1e3):.1f}%, err {err:.1e}", flush=True)
         row["configs"].append({"config": dataclasses.asdict(run_cfg), "ms": ms, "GBps": gbs,
                                "pct_copy_ceiling": 100 * gbs / (HBM_COPY_TBPS * 1e3), "max_rel_err": err})
@@ -992,7 +912,7 @@ def _bench_shape(args, t_start, configs, layout, dtype_name, batch, context, nby
         print(f"{dtype_name:14s} {layout.value} B={batch:4d} ctx<={context:5d}: {best[2]:7.1f} GB/s "
               f"({100 * best[2] / (HBM_COPY_TBPS * 1e3):4.1f}% of {HBM_COPY_TBPS} TB/s), {best[1]:.3f} ms, "
               f"pps={c.pages_per_split} bp={c.pages_per_block} w={c.num_warps} st={c.num_stages} "
-              f"kh={c.kv_heads_per_program} heads_fastest={c.heads_fastest} qk8={c.fp8_qk_dot} "
+              f"kh={c.kv_heads_per_program} heads_fastest={c.heads_fastest} "
               f"dot={c.fp8_dot_dtype}, err {best[3]:.1e} ({len(row['configs'])} configs)", flush=True)
     else:
         print(f"{dtype_name} {layout.value} B={batch} ctx={context}: every config failed", flush=True)
