@@ -19,8 +19,8 @@ Workloads (the ones vLLM was measured on, ../shared/vllm-h200/README.md):
     python experiments/bench_rollout.py --backend vllm --preset qwen3_8b --workload W1 --modes none all   # vLLM, same workload
 
 Decode attention runs the Pallas paged-attention kernel on the GPU (``pallas_kernels.paged_attention``:
-only the pages below each row's length are read); prefill attention is still the jnp reference
-over the row's page table.
+only the pages below each row's length are read), prefill attention the Pallas prefill kernel
+(``pallas_kernels.prefill_attention``).
 """
 
 from __future__ import annotations

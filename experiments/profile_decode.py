@@ -7,10 +7,13 @@ lockstep rows with pages placed as the engine hands them out; the pool's content
 holds, which does not change the work) and ``_decode`` runs ``steps`` steps per call exactly as
 ``JaxEngine.generate`` runs them. Reported per precision mode: ms per decode step (median of ``repeats`` calls), the HBM
 roofline of that step (weight bytes + KV bytes read, over 4.3 TB/s), and from one traced call
-the GPU time per kernel class (paged attention, GEMMs, sampling, the rest) and the idle gap.
+the GPU time per kernel class (paged attention, GEMMs, sampling, the rest) and the idle gap. With ``--prefill N``
+it profiles the prefill program instead: N prompts of ``--prompt-len`` tokens per call, as W1's prefill runs them
+(prefill was 4.56 s of W1 all's 40.5 s in session 19).
 
     python experiments/profile_decode.py --preset qwen3_8b --batch 256 --context 2048 --modes none all \\
         --out $OUT/decode_profile.json
+    python experiments/profile_decode.py --preset qwen3_8b --prefill 4 --prompt-len 1024 --modes all   # W1's prefill
     python experiments/profile_decode.py --preset tiny_qwen3 --batch 4 --context 64 --modes none   # CPU smoke run
 """
 
@@ -154,17 +157,94 @@ def setup(engine: JaxEngine, batch: int, context: int, seed: int, lengths: Lengt
     return lengths, (last, active, sampling, stops, remaining), engine._truncation(reqs)
 
 
+def traced(call, per: int, trace_out: Path | None, name: str) -> dict:
+    """One traced ``call()``: GPU time per kernel class and per kernel (top 25), divided by ``per`` (the decode
+    steps of a call, or 1), the busy span and what the profiler says of each top kernel."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            call()
+        by_class, by_name, span, kargs = kernel_times(Path(d))
+        if trace_out is not None:
+            trace_out.mkdir(parents=True, exist_ok=True)
+            for f in Path(d).rglob("*.trace.json.gz"):
+                (trace_out / f"{name}.trace.json.gz").write_bytes(f.read_bytes())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "per_step_us_by_class": {k: v / per for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        "gpu_busy_us_per_step": sum(by_class.values()) / per,
+        "gpu_span_us_per_step": span / per,
+        "top_kernels_us_per_step": {k: v / per for k, v in top},
+        # what the profiler says of each top kernel (inside CUDA graphs it names the command buffer)
+        "top_kernels_args": {k: {a: str(v)[:600] for a, v in kargs.get(k, {}).items()} for k, _ in top},
+    }
+
+
+def engine_config(args, mode: Fp8Mode, **sizes) -> EngineConfig:
+    """The engine of a profile: ``sizes`` (slots, pages, lengths) and the command line's precision and options."""
+    return EngineConfig(steps_per_call=args.steps, precision=mode, dtype=args.dtype,
+                        fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
+                        fp8_gemm=GemmBackend(args.fp8_gemm), fused_cast=args.fused_cast == "on",
+                        sampling_draw=Draw(args.draw), **sizes)
+
+
+def run_prefill(args, params, mode: Fp8Mode) -> dict:
+    """One prefill call as `JaxEngine.generate` makes it (``_prefill``): ``--prefill`` prompts of ``--prompt-len``
+    random tokens into fresh slots (pages in ``--pages`` order), timed (median of ``--repeats`` calls; each call
+    prefills the same slots again) and traced per kernel class (per call)."""
+    cfg = PRESETS[args.preset]
+    ps, n, t = 16, args.prefill, args.prompt_len
+    max_seq = t + args.steps + ps
+    per_row = -(-max_seq // ps)
+    engine = JaxEngine(cfg, params, engine_config(args, mode, max_slots=n, page_size=ps, num_pages=n * per_row + 8,
+                                                  max_seq_len=max_seq, prefill_batch=n, prefill_buckets=(t,)))
+    rng = np.random.default_rng(args.seed)
+    table = page_table(np.full((n,), per_row), engine.max_pages, PageOrder(args.pages), rng, prompt_pages=per_row,
+                       num_pages=engine.num_pages)
+    engine.cache = engine.cache.replace(page_table=jnp.asarray(table))
+    reqs = [engine_mod._Request(b, rng.integers(2, cfg.vocab_size, t).tolist(),
+                                SamplingConfig(temperature=1.0, max_tokens=args.steps, ignore_eos=True, seed=b), ())
+            for b in range(n)]
+    sampling, stops, remaining = engine._slot_arrays(reqs)
+    inputs = engine._put((np.arange(n, dtype=np.int32), np.array([r.prompt for r in reqs], np.int32),
+                          np.full((n,), t, np.int32)))
+    truncation = engine._truncation(reqs)
+
+    def call():
+        out = engine_mod._prefill(engine.params, engine.cache, *inputs, sampling, stops, remaining,
+                                  truncation=truncation, **engine._static)
+        engine.cache = out[3]
+        return jax.block_until_ready(out[0])
+
+    t0 = time.perf_counter()
+    call()
+    compile_s = time.perf_counter() - t0
+    times = []
+    with GpuMonitor(interval_ms=100) as gpu:
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+    call_ms = statistics.median(times) * 1e3
+    row = {"mode": mode.value, "program": "prefill", "prompts": n, "prompt_len": t, "compile_s": compile_s,
+           "call_s": times, "call_ms": call_ms, "prompt_tokens_per_s": n * t / call_ms * 1e3,
+           "gpu_during_calls": gpu.summary()}
+    if jax.default_backend() == "gpu" and not args.no_trace:
+        row["trace"] = traced(call, 1, args.trace_out, f"prefill_{mode.value}")
+    print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
+    if "trace" in row:
+        for k, v in row["trace"]["per_step_us_by_class"].items():
+            print(f"  {v / 1e3:8.3f} ms  {k}", flush=True)
+    del engine
+    return row
+
+
 def run_mode(args, params, mode: Fp8Mode) -> dict:
     cfg = PRESETS[args.preset]
     ps = 16
     calls = 3 if args.hold else args.repeats + 2  # compile, repeats (one state with --hold), trace
     max_seq = args.context + args.steps * (calls + 1) + ps
     pages = args.batch * -(-max_seq // ps) + 8
-    ec = EngineConfig(max_slots=args.batch, page_size=ps, num_pages=pages, max_seq_len=max_seq,
-                      steps_per_call=args.steps, precision=mode, dtype=args.dtype,
-                      fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
-                      fp8_gemm=GemmBackend(args.fp8_gemm), fused_cast=args.fused_cast == "on",
-                      sampling_draw=Draw(args.draw))
+    ec = engine_config(args, mode, max_slots=args.batch, page_size=ps, num_pages=pages, max_seq_len=max_seq)
     engine = JaxEngine(cfg, params, ec)
     lengths, rest, truncation = setup(engine, args.batch, args.context, args.seed, Lengths(args.lengths),
                                       PageOrder(args.pages), args.prompt_len, calls=calls)
@@ -199,25 +279,7 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
            "tokens_per_s": args.batch / step_ms * 1e3, "weight_gb": weight_bytes / 1e9, "kv_gb_per_step": kv_bytes / 1e9,
            "roofline_step_ms": roof_ms, "hbm_fraction": roof_ms / step_ms, "gpu_during_calls": gpu.summary()}
     if jax.default_backend() == "gpu" and not args.no_trace:
-        with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d):
-                call()
-            by_class, by_name, span, kargs = kernel_times(Path(d))
-            if args.trace_out is not None:
-                args.trace_out.mkdir(parents=True, exist_ok=True)
-                for f in Path(d).rglob("*.trace.json.gz"):
-                    (args.trace_out / f"decode_{mode.value}.trace.json.gz").write_bytes(f.read_bytes())
-        steps = args.steps
-        row["trace"] = {
-            "per_step_us_by_class": {k: v / steps for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-            "gpu_busy_us_per_step": sum(by_class.values()) / steps,
-            "gpu_span_us_per_step": span / steps,
-            "top_kernels_us_per_step": {k: v / steps for k, v in
-                                        sorted(by_name.items(), key=lambda kv: -kv[1])[:25]},
-            # what the profiler says of each top kernel (inside CUDA graphs it names the command buffer)
-            "top_kernels_args": {k: {a: str(v)[:600] for a, v in kargs.get(k, {}).items()} for k, _ in
-                                 sorted(by_name.items(), key=lambda kv: -kv[1])[:25]},
-        }
+        row["trace"] = traced(call, args.steps, args.trace_out, f"decode_{mode.value}")
         if args.hlo:  # what each top XLA kernel computes, from the program's optimized HLO
             hlo = engine_mod._decode.lower(engine.params, engine.cache, *rest, steps=args.steps, truncation=truncation,
                                            **engine._static).compile().as_text()
@@ -259,6 +321,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--hold", action="store_true",
                     help="every timed call starts from the same lengths, so --repeats N runs one state for N calls "
                          "(a sustained run's clocks and step time beside a short one's; call_s keeps each call)")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="profile the prefill program instead: this many prompts of --prompt-len tokens per call "
+                         "(W1 runs 4 x 1024); --steps only sizes the rows' pages, --batch and --context are unused")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--hlo", action="store_true",
                     help="also record the optimized HLO of the top XLA kernels (compiles the decode program again)")
@@ -270,7 +335,8 @@ def main(argv=None) -> dict:
     results = {"environment": run_environment(), "args": {k: str(v) for k, v in vars(args).items()},
                "model": dataclasses.asdict(cfg), "runs": []}
     for m in args.modes:
-        results["runs"].append(run_mode(args, params, Fp8Mode(m)))
+        run = run_prefill if args.prefill > 0 else run_mode
+        results["runs"].append(run(args, params, Fp8Mode(m)))
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -174,6 +174,11 @@ def test_profile_decode_tiny(tmp_path):
     assert len(held["call_s"]) == 3
     # per row: context + steps / 2 tokens (held) against context + steps * (repeats + 1) / 2 (2 repeats, advancing)
     assert held["kv_gb_per_step"] / kv["kv_gb_per_step"] == pytest.approx((40 + 2) / (40 + 6))
+    # --prefill: the prefill program, 3 prompts of 24 tokens per call
+    pre = prof.main(["--preset", "tiny_qwen3", "--prefill", "3", "--prompt-len", "24", "--steps", "4", "--repeats", "2",
+                     "--modes", "all", "--dtype", "float32", "--no-trace"])["runs"][0]
+    assert pre["program"] == "prefill" and pre["prompts"] == 3 and len(pre["call_s"]) == 2
+    assert pre["prompt_tokens_per_s"] == pytest.approx(3 * 24 / pre["call_ms"] * 1e3)
 
 
 def test_bench_gemm_says_it_needs_a_gpu(capsys):
