@@ -359,13 +359,11 @@ def sample(logits: Array, sampling: SlotSampling, keys: Array,
         return jnp.where(z == 0.0, 0.0, z)  # -0.0 -> 0.0, so == agrees with the sort's total order
 
     z = scaled(logits)
-    needs_truncation = ~greedy & (((top_k > 0) & (top_k < v)) | (top_p < 1.0))
-    # per-row thresholds rather than a [B, V] mask out of the cond: without truncation, (-inf, V) keeps every
-    # token and the comparison fuses into the draw (a mask of ones was its own [B, V] write, ~47 us per
-    # decode step at 256 x 151936 on the H200, session 17's profile). The branch scales the logits itself:
-    # an operand of the cond is a buffer, so z as one may be a float32 [B, V] write every step whether or
-    # not the branch runs (the H200 profiles have such a write, 57 us; untimed since); outside the cond, XLA
-    # may fuse z into each consumer.
+    # per-row thresholds rather than a [B, V] mask: without truncation, (-inf, V) keeps every token and the
+    # comparison fuses into the draw (a mask of ones was its own [B, V] write, ~47 us per decode step at
+    # 256 x 151936 on the H200, session 17's profile). `kept` scales the logits itself: as an operand of the
+    # device cond (truncation=None), z would be a buffer, a float32 [B, V] write every step whether or not
+    # the branch runs.
     def kept():
         return _kept_threshold(scaled(logits), top_k, top_p)
 
@@ -373,6 +371,7 @@ def sample(logits: Array, sampling: SlotSampling, keys: Array,
         return jnp.full((b,), -jnp.inf, jnp.float32), jnp.full((b,), v, jnp.int32)
 
     if truncation is None:
+        needs_truncation = ~greedy & (((top_k > 0) & (top_k < v)) | (top_p < 1.0))  # `truncates`, per row
         z_star, id_star = jax.lax.cond(jnp.any(needs_truncation), kept, everything)
     else:
         z_star, id_star = kept() if truncation else everything()
