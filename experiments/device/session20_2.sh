@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Planned for session 20, call 2 (one H200; after session20_1.sh): Qwen3-8B W1 none / w8a8 / all in one process with
-# session 19's code (truncation decided on the host, inverse-CDF draw), each run's clocks and power recorded
-# (gpu_during_run). With call 1's kv this gives all four modes of issue 4's table. Then all with 8 prompts
-# per prefill call.
+# Session 20, call 2 (one H200): cuBLASLt's candidate algorithms per FP8 GEMM shape at decode's 256 rows and W1's
+# prefill 4096 tokens, Qwen3-8B's linears and Qwen3-30B-A3B's attention projections (`tune_cublaslt.py`; winners
+# written into fp8rl_jax/quant/cublaslt_algos.json, copied to $OUT); then, with that table, the decode GEMMs again
+# (bench_decode_gemms) and call 1's mode-all decode profile (equal 2048, engine pages: 15.92 ms/step) with the
+# optimized HLO of its top kernels (--hlo: what each XLA fusion computes).
 source experiments/device/env.sh
-R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 90 --kv-gib-like-vllm 101.74 107.52"
-{ echo "== 8B W1 none w8a8 all"; timeout $(left 470) python $R --workload W1 --modes none w8a8 all \
-    --out "$OUT/rollout_8b_W1.json"; echo "rc=$?"
-  # prefill was 4.56 of W1 all's 40.5 s in session 19 (64 calls of 4 prompts x 1024: 71 ms a call, about 0.8
-  # PFLOP/s counting the linear layers' 13.9 GFLOP per token): 8 prompts per call, a larger M for every GEMM
-  echo "== 8B W1 all, prefill batch 8"; timeout $(left 590) python ${R/--prefill-batch 4/--prefill-batch 8} \
-    --workload W1 --modes all --out "$OUT/rollout_8b_W1_all_pb8.json"; echo "rc=$?"
+P="experiments/profile_decode.py --preset qwen3_8b --batch 256 --context 2048 --lengths equal --pages engine"
+{ echo "== tune cuBLASLt"; timeout $(left 300) python experiments/tune_cublaslt.py --presets qwen3_8b qwen3_30b_a3b \
+    --candidates 12 --m 256 4096 --out "$OUT/tune_cublaslt.json" --table-out; echo "rc=$?"
+  cp fp8rl_jax/quant/cublaslt_algos.json "$OUT/" 2>/dev/null
+  echo "== decode GEMMs, tuned"; timeout $(left 360) python experiments/bench_decode_gemms.py --m 256 128 --splits 2 \
+    --shapes qkv o_proj gate_up down_proj --out "$OUT/decode_gemms_tuned.json"; echo "rc=$?"
+  echo "== profile all, tuned, hlo"; timeout $(left 470) python $P --modes all --hlo --out "$OUT/profile_all_tuned.json"
+  echo "rc=$?"
 } 2>&1 | filt > "$OUT/run.log"
-grep -v "^    \|^$" "$OUT/run.log" | grep -v '"partial"\|^\[[a-z0-9]*\]  ' | cut -c1-300 | tail -40
+grep -v "^    \|^$" "$OUT/run.log" | grep -v '"partial"\|^\[[a-z0-9]*\]  ' | cut -c1-400 | tail -60

@@ -1,0 +1,136 @@
+"""The decode step's GEMMs one by one, as the generator runs them, with split-K variants.
+
+At 256 decode rows an ``[M, K] x [N, K]^T`` GEMM with N = 4096 has 2 x 32 output tiles of 128 x 128 for 132 SMs,
+so cuBLAS may leave half the GPU idle on Qwen3-8B's o_proj and down_proj. This script times, per shape (the
+preset's fused q/k/v and gate/up, o_proj, down_proj, lm_head) and per M:
+
+- ``bf16``: `DensePolicy(fused_cast=True).dot`, the generator's BF16 linear;
+- ``bf16_splitk{s}``: K cut in ``s`` slices as a batched dot (float32 partials) summed in float32 and rounded once;
+- ``fp8``: `W8A8Policy().dot` (the measured backend table's GEMM: cuBLASLt or the Mosaic kernel);
+- ``fp8_splitk{s}``: the activations quantized once, ``s`` cuBLASLt calls over K slices writing float32, summed.
+
+GPU time per call from one profiled program (`pallas_kernels.common.replay_gpu_ms`) over ``--sets`` different
+weights (so no weight is read from L2), TFLOP/s and the weight bytes' GB/s; each variant's max relative error
+against float64 numpy of the same BF16 / FP8 operands. Writes JSON (with the run's environment).
+
+    python experiments/bench_decode_gemms.py --preset qwen3_8b --m 64 128 256 --out experiments/results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configs.models import PRESETS  # noqa: E402
+from fp8rl_jax.models.policy import DensePolicy  # noqa: E402
+from fp8rl_jax.quant import cublaslt  # noqa: E402
+from fp8rl_jax.quant.fp8 import codes_to_float32, quantize_activations, quantize_activations_t  # noqa: E402
+from fp8rl_jax.quant.policy import W8A8Policy, quantize_weight  # noqa: E402
+from pallas_kernels.common import replay_gpu_ms, write_results  # noqa: E402
+
+
+def decode_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(N, K) of each GEMM of a dense preset's decode step, with q/k/v and gate/up fused as the generator runs
+    them."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    return {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), "o_proj": (h, cfg.num_heads * d),
+            "gate_up": (2 * cfg.intermediate_size, h), "down_proj": (h, cfg.intermediate_size),
+            "lm_head": (cfg.vocab_size, h)}
+
+
+def bf16_splitk(x: jax.Array, w: jax.Array, s: int) -> jax.Array:
+    """``x @ w.T`` with K in ``s`` slices: one batched dot writing float32 partials, summed, rounded once."""
+    m, k = x.shape
+    n = w.shape[0]
+    parts = jax.lax.dot_general(x.reshape(m, s, k // s), w.reshape(n, s, k // s), (((2,), (2,)), ((1,), (1,))),
+                                preferred_element_type=jnp.float32)  # [s, M, N]
+    return parts.sum(0).astype(x.dtype)
+
+
+def fp8_splitk(x: jax.Array, qw, s: int) -> jax.Array:
+    """The W8A8 GEMM with K in ``s`` slices (multiples of 128): cuBLASLt per slice into float32, summed."""
+    xq, xs_t = quantize_activations_t(x, 128)
+    k = x.shape[1]
+    step = k // s
+    out = None
+    for i in range(s):
+        lo, hi = i * step, (i + 1) * step
+        y = cublaslt.fp8_gemm_cublaslt_t(xq[:, lo:hi], xs_t[lo // 128:hi // 128], qw.q[:, lo:hi],
+                                         qw.scale_inv[:, lo // 128:hi // 128], out_dtype=jnp.float32)
+        out = y if out is None else out + y
+    return out.astype(x.dtype)
+
+
+def reference_fp8(x: np.ndarray, qw) -> np.ndarray:
+    """float64 numpy of the W8A8 product of ``x`` (quantized per 1x128 group as the generator does) and ``qw``."""
+    xq, xs = quantize_activations(jnp.asarray(x), 128)
+    a = np.asarray(codes_to_float32(xq), np.float64) * np.repeat(np.asarray(xs, np.float64), 128, axis=1)
+    w = np.asarray(codes_to_float32(qw.q), np.float64)
+    si = np.asarray(qw.scale_inv, np.float64)
+    w = w * np.repeat(np.repeat(si, 128, axis=0), 128, axis=1)[: w.shape[0], : w.shape[1]]
+    return a @ w.T
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3_8b", choices=sorted(PRESETS))
+    p.add_argument("--m", type=int, nargs="+", default=[256])
+    p.add_argument("--splits", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--sets", type=int, default=6, help="different weights per timed program (no L2 reuse)")
+    p.add_argument("--shapes", nargs="+", default=None, help="a subset of qkv o_proj gate_up down_proj lm_head")
+    p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    cfg = PRESETS[args.preset]
+    shapes = {k: v for k, v in decode_shapes(cfg).items() if args.shapes is None or k in args.shapes}
+    dense = DensePolicy("bfloat16", fused_cast=True)
+    w8a8 = W8A8Policy("bfloat16")
+    fp8_ok = not args.no_fp8 and cublaslt.available()[0]
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (n, k) in shapes.items():
+        ws = [jnp.asarray(rng.standard_normal((n, k), np.float32) * k ** -0.5, jnp.bfloat16) for _ in range(args.sets)]
+        qws = [quantize_weight(w) for w in ws] if fp8_ok and name != "lm_head" else []
+        for m in args.m:
+            xs = [jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16) for _ in range(args.sets)]
+            ref = np.asarray(xs[0], np.float64) @ np.asarray(ws[0], np.float64).T
+            ref8 = reference_fp8(np.asarray(xs[0], np.float32), qws[0]) if qws else None
+            variants = {"bf16": (lambda x, w: dense.dot(x, w, None), ws, ref)}
+            variants.update({f"bf16_splitk{s}": (lambda x, w, s=s: bf16_splitk(x, w, s), ws, ref)
+                             for s in args.splits if k % s == 0})
+            if qws:
+                variants["fp8"] = (lambda x, w: w8a8.dot(x, w, None), qws, ref8)
+                variants.update({f"fp8_splitk{s}": (lambda x, w, s=s: fp8_splitk(x, w, s), qws, ref8)
+                                 for s in args.splits if k % (128 * s) == 0})
+            flop = 2.0 * m * n * k
+            for vname, (fn, wset, r) in variants.items():
+                try:
+                    res, outs = replay_gpu_ms(fn, list(zip(xs, wset)), with_outputs=True)
+                except Exception as e:  # noqa: BLE001 - a variant the backend rejects is a row, not a crash
+                    rows.append({"shape": name, "m": m, "n": n, "k": k, "variant": vname, "error": repr(e)[:300]})
+                    print(f"{name:9s} M={m:4d} {vname:12s} failed: {e!r}"[:200], flush=True)
+                    continue
+                ms = res["busy_ms"] or float("nan")  # no GPU kernels on the CPU: errors only
+                err = float(np.max(np.abs(np.asarray(outs[0], np.float64) - r)) / np.max(np.abs(r)))
+                wbytes = n * k * (1 if vname.startswith("fp8") else 2)
+                row = {"shape": name, "m": m, "n": n, "k": k, "variant": vname, "gpu_ms": ms,
+                       "span_ms": res["span_ms"], "tflops": flop / ms / 1e9, "weight_gbps": wbytes / ms / 1e6, "max_rel_err": err, "kernels": res["kernels"]}
+                rows.append(row)
+                print(f"{name:9s} M={m:4d} {vname:12s} {ms * 1e3:8.1f} us {row['tflops']:7.1f} TFLOP/s "
+                      f"{row['weight_gbps']:7.0f} GB/s err {err:.1e}  {list(res['kernels'])[:2]}", flush=True)
+    if args.out is not None:
+        write_results(args.out, rows)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
