@@ -6,8 +6,11 @@ preset's fused q/k/v and gate/up, o_proj, down_proj, lm_head) and per M:
 
 - ``bf16``: `DensePolicy(fused_cast=True).dot`, the generator's BF16 linear;
 - ``bf16_splitk{s}``: K cut in ``s`` slices as a batched dot (float32 partials) summed in float32 and rounded once;
-- ``fp8``: `W8A8Policy().dot` (the measured backend table's GEMM: cuBLASLt or the Mosaic kernel);
-- ``fp8_splitk{s}``: the activations quantized once, ``s`` cuBLASLt calls over K slices writing float32, summed.
+- ``fp8``: `W8A8Policy().dot` (the measured backend table's GEMM: cuBLASLt or the Mosaic kernel), the activations'
+  quantization included.
+
+(Session 20 also timed an FP8 split-K made of cuBLASLt calls over K slices: slicing the operands copied them,
+100+ us a call, so it measured the copies; it is gone.)
 
 GPU time per call from one profiled program (`pallas_kernels.common.replay_gpu_ms`) over ``--sets`` different
 weights (so no weight is read from L2), TFLOP/s and the weight bytes' GB/s; each variant's max relative error
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models.policy import DensePolicy  # noqa: E402
 from fp8rl_jax.quant import cublaslt  # noqa: E402
-from fp8rl_jax.quant.fp8 import codes_to_float32, quantize_activations, quantize_activations_t  # noqa: E402
+from fp8rl_jax.quant.fp8 import codes_to_float32, quantize_activations  # noqa: E402
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_weight  # noqa: E402
 from pallas_kernels.common import replay_gpu_ms, write_results  # noqa: E402
 
@@ -53,20 +56,6 @@ def bf16_splitk(x: jax.Array, w: jax.Array, s: int) -> jax.Array:
     parts = jax.lax.dot_general(x.reshape(m, s, k // s), w.reshape(n, s, k // s), (((2,), (2,)), ((1,), (1,))),
                                 preferred_element_type=jnp.float32)  # [s, M, N]
     return parts.sum(0).astype(x.dtype)
-
-
-def fp8_splitk(x: jax.Array, qw, s: int) -> jax.Array:
-    """The W8A8 GEMM with K in ``s`` slices (multiples of 128): cuBLASLt per slice into float32, summed."""
-    xq, xs_t = quantize_activations_t(x, 128)
-    k = x.shape[1]
-    step = k // s
-    out = None
-    for i in range(s):
-        lo, hi = i * step, (i + 1) * step
-        y = cublaslt.fp8_gemm_cublaslt_t(xq[:, lo:hi], xs_t[lo // 128:hi // 128], qw.q[:, lo:hi],
-                                         qw.scale_inv[:, lo // 128:hi // 128], out_dtype=jnp.float32)
-        out = y if out is None else out + y
-    return out.astype(x.dtype)
 
 
 def reference_fp8(x: np.ndarray, qw) -> np.ndarray:
@@ -109,8 +98,6 @@ def main(argv=None) -> None:
                              for s in args.splits if k % s == 0})
             if qws:
                 variants["fp8"] = (lambda x, w: w8a8.dot(x, w, None), qws, ref8)
-                variants.update({f"fp8_splitk{s}": (lambda x, w, s=s: fp8_splitk(x, w, s), qws, ref8)
-                                 for s in args.splits if k % (128 * s) == 0})
             flop = 2.0 * m * n * k
             for vname, (fn, wset, r) in variants.items():
                 try:

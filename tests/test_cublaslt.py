@@ -130,18 +130,9 @@ def test_handler_against_a_host_cublaslt_stand_in(tmp_path):
     target = "fp8rl_cublaslt_test_host"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.Fp8rlCublasLtFp8BlockGemmHost), platform="cpu")
     fake_lib = ctypes.CDLL(str(fake))
-    fake_lib.fake_cublaslt_last_algo.restype = ctypes.c_int64
     with jax.default_device(jax.devices("cpu")[0]):  # the host twin is registered for the CPU platform only
         _run_against_stand_in(target)
-        assert fake_lib.fake_cublaslt_matmuls() == 6  # one cuBLASLt call per GEMM, nothing done twice
-        assert fake_lib.fake_cublaslt_last_algo() == 0  # no table entry: the heuristic's first choice
-        # a chosen candidate runs (the stand-in finds 3 per shape); past the last one, the last; same product
-        qa, sa, qb, sb = _operands(32, 256, 512, seed=11)
-        first = cublaslt._call_t(qa, sa.T, qb, sb, jnp.dtype(jnp.float32), target=target, algo=0)
-        for algo, ran in ((1, 1), (2, 2), (9, 2)):
-            got = cublaslt._call_t(qa, sa.T, qb, sb, jnp.dtype(jnp.float32), target=target, algo=algo)
-            assert fake_lib.fake_cublaslt_last_algo() == ran, (algo, ran)
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(first))
+    assert fake_lib.fake_cublaslt_matmuls() == 6  # one cuBLASLt call per GEMM, nothing done twice
 
 
 def _run_against_stand_in(target: str) -> None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import json
 import os
 import shutil
 import site
@@ -55,9 +54,9 @@ import numpy as np
 
 from pallas_kernels.fp8_gemm import BK, _check_operands
 
-__all__ = ["ALGO_TABLE", "FFI_TARGET", "FFI_TARGET_EAGER", "SOURCE", "WORKSPACE_BYTES", "available", "build", "ffi_target",
+__all__ = ["FFI_TARGET", "FFI_TARGET_EAGER", "SOURCE", "WORKSPACE_BYTES", "available", "build", "ffi_target",
            "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d", "fp8_gemm_cublaslt_t", "load",
-           "one_d_available", "supports", "tuned_algo"]
+           "one_d_available", "supports"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cublaslt_fp8_gemm.cc"
 CHECK_SOURCE = SOURCE.with_name("cublaslt_check.cc")
@@ -177,14 +176,13 @@ def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_in
 
 
 def fp8_gemm_cublaslt_t(a: jax.Array, a_scale_t: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
-                        out_dtype=jnp.bfloat16, algo: int | None = None) -> jax.Array:
+                        out_dtype=jnp.bfloat16) -> jax.Array:
     """`fp8_gemm_cublaslt` with A's scales given transposed, ``a_scale_t [K/128, M]`` (the order cuBLASLt
-    reads; `fp8rl_jax.quant.quantize_activations_t` writes them so): no transpose before the call.
-    ``algo``: which of cuBLASLt's heuristic candidates runs (0 its first choice; None: `tuned_algo`'s)."""
+    reads; `fp8rl_jax.quant.quantize_activations_t` writes them so): no transpose before the call."""
     if a.ndim != 2 or a_scale_t.ndim != 2 or tuple(a_scale_t.shape) != (-(-a.shape[1] // BK), a.shape[0]):
         raise ValueError(f"a_scale_t must be [K/128, M] for a {tuple(a.shape)}, got shape {tuple(a_scale_t.shape)}")
     out_dtype = _check(a, a_scale_t.T, b, b_scale_inv, out_dtype)
-    return _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=ffi_target(), algo=algo)
+    return _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=ffi_target())
 
 
 def _check(a, a_scale, b, b_scale_inv, out_dtype):
@@ -208,56 +206,26 @@ def _call(a, a_scale, b, b_scale_inv, out_dtype, target=FFI_TARGET):
     return _call_t(a, a_scale.T, b, b_scale_inv, out_dtype, target)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "target", "algo"))
-def _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=FFI_TARGET, algo=None):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
+def _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=FFI_TARGET):
     kb = a.shape[1] // BK
     kb4 = -(-kb // 4) * 4  # the 128x128 scales' leading dimension: K blocks rounded up to 4
     bs = b_scale_inv if kb4 == kb else jnp.pad(b_scale_inv, ((0, 0), (0, kb4 - kb)))
-    return _ffi(a, a_scale_t, b, bs, out_dtype, target, b_blocks=1, algo=algo)
+    return _ffi(a, a_scale_t, b, bs, out_dtype, target, b_blocks=1)
 
 
-def _ffi(a, as_t, b, bs, out_dtype, target, b_blocks: int, algo: int | None = None):
+def _ffi(a, as_t, b, bs, out_dtype, target, b_blocks: int):
     """The custom call with A's rows zero-padded to a multiple of 16 (``as_t``: its scales [K/128, M],
-    M-contiguous as cuBLAS reads them) and the padding rows sliced off the output. ``algo``: the
-    heuristic's candidate to run (`tuned_algo` when None)."""
+    M-contiguous as cuBLAS reads them) and the padding rows sliced off the output."""
     m, n = a.shape[0], b.shape[0]
     mp = -(-m // _M_ALIGN) * _M_ALIGN
     if mp != m:
         a = jnp.pad(a, ((0, mp - m), (0, 0)))
         as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
-    if algo is None:
-        algo = tuned_algo(mp, n, a.shape[1], out_dtype, b_blocks)
     out, _ = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct((mp, n), out_dtype),
                                        jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)))(
-        a, as_t, b, bs, b_blocks=np.int32(b_blocks), algo=np.int32(algo))
+        a, as_t, b, bs, b_blocks=np.int32(b_blocks))
     return out[:m] if mp != m else out
-
-
-# Measured per device kind and cuBLASLt version (``experiments/tune_cublaslt.py``): which of cuBLASLt's heuristic
-# candidates (0 = its first choice) runs fastest per (M, N, K, out dtype, scaling). The heuristic ranks by a model;
-# at decode's few rows its first choice can leave SMs idle (an N = 4096 GEMM at M = 256: 64 tiles for 132 SMs).
-ALGO_TABLE = Path(__file__).with_name("cublaslt_algos.json")
-
-
-@functools.cache
-def _algo_table(kind: str, version: int) -> dict[tuple[int, int, int, str, int], int]:
-    if not ALGO_TABLE.exists():
-        return {}
-    return {(int(e["m"]), int(e["n"]), int(e["k"]), str(e["out_dtype"]), int(e["b_blocks"])): int(e["algo"])
-            for e in json.loads(ALGO_TABLE.read_text()).get("entries", [])
-            if e.get("device_kind") == kind and int(e.get("cublaslt_version", -1)) == version}
-
-
-def tuned_algo(m: int, n: int, k: int, out_dtype, b_blocks: int = 1) -> int:
-    """The measured table's candidate for this GEMM (``m`` as padded to a multiple of 16) on this GPU and
-    cuBLASLt version, else 0 (the heuristic's first choice). An entry of another cuBLASLt version is not
-    used: the candidates' order is the library's."""
-    ok, _ = available()
-    if not ok:
-        return 0
-    version, _ = cublaslt_version()
-    kind = jax.devices()[0].device_kind
-    return _algo_table(kind, version).get((m, n, k, jnp.dtype(out_dtype).name, int(b_blocks)), 0)
 
 
 def fp8_gemm_cublaslt_1d(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, *,

@@ -17,7 +17,6 @@
 
 #include <dlfcn.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -156,13 +155,13 @@ struct Plan {
   Algo algo;
   size_t workspace = 0;
 };
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int32_t, int32_t>;  // ..., b_mode, algo
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int32_t>;
 struct PlanKeyHash {
   size_t operator()(const PlanKey& k) const {
     size_t h = 0;
     auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
     mix(std::get<0>(k)); mix(std::get<1>(k)); mix(std::get<2>(k)); mix(std::get<3>(k)); mix(std::get<4>(k));
-    mix(std::get<5>(k)); mix(std::get<6>(k));
+    mix(std::get<5>(k));
     return h;
   }
 };
@@ -170,13 +169,9 @@ thread_local std::unordered_map<PlanKey, Plan, PlanKeyHash> t_plans;
 
 // The scale pointers (sa: cuBLAS A's = our weight's, sb: cuBLAS B's = our activations') go on the descriptor before
 // the heuristic query: cuBLASLt refuses a block scale mode without its pointer (CUBLAS_STATUS_INVALID_VALUE, "the
-// scaling mode for A scale requires a custom pointer"); they are set again at every call. `algo` picks the
-// heuristic's algo-th candidate (0: its first choice; past the last one it finds: the last), as a measured table
-// says (fp8rl_jax.quant.cublaslt, experiments/tune_cublaslt.py): at decode's 256 rows the first choice of an
-// N = 4096 GEMM fills 64 of the H200's 132 SMs.
-constexpr int kMaxAlgos = 16;
-ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type, int32_t b_mode, int32_t algo,
-                    const void* sa, const void* sb, uint64_t max_workspace, Plan* plan) {
+// scaling mode for A scale requires a custom pointer"); they are set again at every call.
+ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type, int32_t b_mode, const void* sa,
+                    const void* sb, uint64_t max_workspace, Plan* plan) {
   LT_CHECK(g_lt.MatmulDescCreate(&plan->desc, kComputeF32, kCudaR32F), "matmul descriptor");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransA, &kOpT, sizeof(kOpT)), "TRANSA");
   LT_CHECK(g_lt.MatmulDescSetAttribute(plan->desc, kDescTransB, &kOpN, sizeof(kOpN)), "TRANSB");
@@ -194,19 +189,17 @@ ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type
   LT_CHECK(g_lt.MatmulPreferenceCreate(&pref), "preference");
   uint64_t ws = max_workspace;
   LT_CHECK(g_lt.MatmulPreferenceSetAttribute(pref, kPrefMaxWorkspace, &ws, sizeof(ws)), "workspace preference");
-  HeuristicResult results[kMaxAlgos];
-  std::memset(results, 0, sizeof(results));
+  HeuristicResult result;
+  std::memset(&result, 0, sizeof(result));
   int found = 0;
-  const int requested = algo < 0 ? 1 : std::min(algo + 1, kMaxAlgos);
-  Status s = g_lt.MatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, requested,
-                                         results, &found);
+  Status s = g_lt.MatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1,
+                                                 &result, &found);
   g_lt.MatmulPreferenceDestroy(pref);
   if (s != kSuccess || found == 0)
     return ffi::Error::Internal(std::string("cuBLASLt has no ") +
                                 (b_mode == kScaleBlk128x128F32 ? "1x128 x 128x128" : "1x128 x 1x128") +
                                 " block-scaled FP8 algorithm for M=" + std::to_string(m) +
                                 " N=" + std::to_string(n) + " K=" + std::to_string(k) + " (" + StatusName(s) + ")");
-  const HeuristicResult& result = results[std::min(std::max(algo, 0), found - 1)];
   plan->algo = result.algo;
   plan->workspace = result.workspaceSize;
   return ffi::Error::Success();
@@ -215,9 +208,9 @@ ffi::Error MakePlan(Handle handle, int64_t m, int64_t n, int64_t k, int out_type
 // The GEMM on `stream`. cuBLASLt's workspace is the call's second result (a byte buffer XLA allocates with the
 // others, so the call needs no allocation of its own and can be captured into a CUDA graph); the algorithm is
 // chosen for that size.
-ffi::Error RunGemm(Stream stream, int32_t device, int32_t b_blocks, int32_t algo, ffi::AnyBuffer a,
-                   ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace_buf) {
+ffi::Error RunGemm(Stream stream, int32_t device, int32_t b_blocks, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t,
+                   ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Result<ffi::AnyBuffer> workspace_buf) {
   // a [M, K] e4m3, a_scale_t [K/128, M], b [N, K] e4m3, out [M, N]; b_scale: with b_blocks (weights) the
   // 128x128 scales [N/128, ld >= K/128, ld % 4 == 0], else 1x128 per row of b, transposed: [K/128, N]
   auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
@@ -256,11 +249,11 @@ ffi::Error RunGemm(Stream stream, int32_t device, int32_t b_blocks, int32_t algo
   }
   const void* sa = b_scale.typed_data();    // cuBLAS A = our weight
   const void* sb = a_scale_t.typed_data();  // cuBLAS B = our activations
-  PlanKey key{device, m, n, k, out_type, b_mode, algo};
+  PlanKey key{device, m, n, k, out_type, b_mode};
   auto it = t_plans.find(key);
   if (it == t_plans.end()) {
     Plan plan;
-    ffi::Error e = MakePlan(handle, m, n, k, out_type, b_mode, algo, sa, sb, workspace_buf->size_bytes(), &plan);
+    ffi::Error e = MakePlan(handle, m, n, k, out_type, b_mode, sa, sb, workspace_buf->size_bytes(), &plan);
     if (e.failure()) return e;
     it = t_plans.emplace(key, plan).first;
   }
@@ -278,19 +271,19 @@ ffi::Error RunGemm(Stream stream, int32_t device, int32_t b_blocks, int32_t algo
   return ffi::Error::Success();
 }
 
-ffi::Error Fp8BlockGemm(Stream stream, int32_t device, int32_t b_blocks, int32_t algo, ffi::AnyBuffer a,
+ffi::Error Fp8BlockGemm(Stream stream, int32_t device, int32_t b_blocks, ffi::AnyBuffer a,
                         ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
-  return RunGemm(stream, device, b_blocks, algo, a, a_scale_t, b, b_scale, out, workspace);
+  return RunGemm(stream, device, b_blocks, a, a_scale_t, b, b_scale, out, workspace);
 }
 
 // The same GEMM on host buffers, no stream (device 0; the workspace result is host memory too): for tests on the
 // CPU platform against a host-memory stand-in of cuBLASLt (tests/fake_cublaslt.cc), which check the descriptors,
 // layouts and scale pointers this file hands to cuBLASLt. Never registered by fp8rl_jax itself.
-ffi::Error Fp8BlockGemmHost(int32_t b_blocks, int32_t algo, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t,
-                            ffi::AnyBuffer b, ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out,
+ffi::Error Fp8BlockGemmHost(int32_t b_blocks, ffi::AnyBuffer a, ffi::Buffer<ffi::F32> a_scale_t, ffi::AnyBuffer b,
+                            ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> workspace) {
-  return RunGemm(nullptr, 0, b_blocks, algo, a, a_scale_t, b, b_scale, out, workspace);
+  return RunGemm(nullptr, 0, b_blocks, a, a_scale_t, b, b_scale, out, workspace);
 }
 
 }  // namespace
@@ -298,7 +291,6 @@ ffi::Error Fp8BlockGemmHost(int32_t b_blocks, int32_t algo, ffi::AnyBuffer a, ff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemmHost, Fp8BlockGemmHost,
                               ffi::Ffi::Bind()
                                   .Attr<int32_t>("b_blocks")
-                                  .Attr<int32_t>("algo")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
@@ -311,7 +303,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8rlCublasLtFp8BlockGemmHost, Fp8BlockGemmHost,
       .Ctx<ffi::PlatformStream<Stream>>()                                           \
       .Ctx<ffi::DeviceOrdinal>()                                                    \
       .Attr<int32_t>("b_blocks") /* 1: 128x128 B scales, 0: 1x128 */                \
-      .Attr<int32_t>("algo") /* the heuristic's candidate (MakePlan) */             \
       .Arg<ffi::AnyBuffer>()                                                        \
       .Arg<ffi::Buffer<ffi::F32>>()                                                 \
       .Arg<ffi::AnyBuffer>()                                                        \
