@@ -3,7 +3,8 @@
 # prefill 4096 tokens, Qwen3-8B's linears and Qwen3-30B-A3B's attention projections (`tune_cublaslt.py`; winners
 # written into fp8rl_jax/quant/cublaslt_algos.json, copied to $OUT); then, with that table, the decode GEMMs again
 # (bench_decode_gemms) and call 1's mode-all decode profile (equal 2048, engine pages: 15.92 ms/step) with the
-# optimized HLO of its top kernels (--hlo: what each XLA fusion computes).
+# optimized HLO of its top kernels (--hlo: what each XLA fusion computes). tune_cublaslt.py and the handler's
+# candidate attribute are in commit f5a1fac; d648ea2 removed them after this call (one kernel per shape).
 source experiments/device/env.sh
 P="experiments/profile_decode.py --preset qwen3_8b --batch 256 --context 2048 --lengths equal --pages engine"
 { echo "== tune cuBLASLt"; timeout $(left 300) python experiments/tune_cublaslt.py --presets qwen3_8b qwen3_30b_a3b \

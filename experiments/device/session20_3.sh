@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Planned for session 20, call 3 (one H200; written in session 19): the workloads issue 4 lists that no session has
-# rerun since session 15/9 (`h200_session15_2026-12-02.md`, `h200_session9_...`), on session 19's code:
-#   1. Qwen3-30B-A3B W1, none and all in one process (target all >= 1.6x none; session 15: 1.71x), KV pools as
-#      vLLM's 0.85 leaves (60 / 87 GiB);
-#   2. if time is left, the RL-shaped workload on Qwen3-8B (256 x 512 -> max_tokens uniform up to 8192), all only
-#      (session 9: none 5009, all 7009).
-# Every run records its clocks and power (gpu_during_run) and its decode calls.
+# Session 20, call 3 (one H200): SwiGLU fused into the down projection's FP8 input quantization
+# (`pallas_kernels.act_quant.silu_mul_quant`, through `W8A8Policy.swiglu_dot`):
+#   1. its GPU tests and test_cublaslt's (the handler gained the candidate attribute), on 4 workers;
+#   2. its GPU time against the XLA fusions it replaces, at decode's 256 rows and prefill's 4096;
+#   3. call 1's mode-all decode profile (equal 2048, engine pages: 15.92 ms/step in call 1, 16.30 in call 2);
+#   4. Qwen3-8B W1 none / kv / all in one process.
 source experiments/device/env.sh
-{ echo "== 30B-A3B W1 none all"; timeout $(left 420) python experiments/bench_rollout.py --preset qwen3_30b_a3b \
-    --max-slots 256 --steps-per-call 16 --prefill-batch 4 --workload W1 --stall-dump-s 120 --kv-gib-like-vllm 60 87 \
-    --modes none all --out "$OUT/rollout_30b_W1.json"; echo "rc=$?"
-  echo "== 8B RL all"; timeout $(left 590) python experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 \
-    --steps-per-call 16 --prefill-batch 4 --workload RL --stall-dump-s 90 --kv-gib-like-vllm 101.74 107.52 \
-    --modes all --out "$OUT/rollout_8b_RL_all.json"; echo "rc=$?"
+P="experiments/profile_decode.py --preset qwen3_8b --batch 256 --context 2048 --lengths equal --pages engine"
+R="experiments/bench_rollout.py --preset qwen3_8b --max-slots 256 --steps-per-call 16 --prefill-batch 4 --stall-dump-s 90 --kv-gib-like-vllm 101.74 107.52"
+{ GPU_WORKERS=4 SUITE_S=170 bash experiments/device/gpu_tests.sh tests/test_act_quant.py tests/test_cublaslt.py
+  echo "== act_quant timing"; timeout $(left 210) python -m pallas_kernels.act_quant --m 256 4096 --out "$OUT/act_quant.json"
+  echo "rc=$?"
+  echo "== profile all"; timeout $(left 270) python $P --modes all --out "$OUT/profile_all_swiglu.json"; echo "rc=$?"
+  echo "== 8B W1 none kv all"; timeout $(left 590) python $R --workload W1 --modes none kv all \
+    --out "$OUT/rollout_8b_W1.json"; echo "rc=$?"
 } 2>&1 | filt > "$OUT/run.log"
-grep -v "^    \|^$" "$OUT/run.log" | grep -v '"partial"\|^\[[a-z0-9]*\]  ' | cut -c1-300 | tail -40
+grep -v "^    \|^$" "$OUT/run.log" | grep -v '"partial"\|^\[[a-z0-9]*\]  ' | cut -c1-300 | tail -50

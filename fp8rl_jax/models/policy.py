@@ -107,6 +107,12 @@ class MatmulPolicy(abc.ABC):
         ``group_sizes`` [E] int32 counts the rows of each group; it sums to M.
         """
 
+    def swiglu_dot(self, gu: jax.Array, w: Any, site: Site) -> jax.Array:
+        """``dot(silu(g) * u, w)`` for ``gu = [g | u]`` [..., 2 * in], the fused gate/up GEMM's output (the
+        SwiGLU MLP's down projection). A policy may fuse the activation into its input quantization."""
+        g, u = jnp.split(gu, 2, axis=-1)
+        return self.dot(jax.nn.silu(g) * u, w, site)
+
 
 def matmul_precision(dtype: Any) -> jax.lax.Precision:
     """float32 means float32: without HIGHEST, XLA on Hopper multiplies float32 in TF32

@@ -115,9 +115,11 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         wg = self.gate_proj.weight.get_value()
         if isinstance(wg, FusedWeight):  # the generator's layout: [gate; up] in one GEMM (fusion.py)
-            g, u = fused_dot(self.gate_proj.policy, x, wg, self.gate_proj.site)
-        else:
-            g, u = self.gate_proj(x), self.up_proj(x)
+            if wg.sizes[0] != wg.sizes[1]:
+                raise ValueError(f"fused gate/up parts must be equal, got sizes {wg.sizes}")
+            gu = self.gate_proj.policy.dot(x, wg.w, self.gate_proj.site)  # [g | u]
+            return self.down_proj.policy.swiglu_dot(gu, self.down_proj.weight.get_value(), self.down_proj.site)
+        g, u = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(jax.nn.silu(g) * u)
 
 

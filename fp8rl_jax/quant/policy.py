@@ -62,6 +62,7 @@ from fp8rl_jax.models.fusion import FusedWeight, concat_parts
 from fp8rl_jax.quant import cublaslt
 from fp8rl_jax.quant.fp8 import (QuantizedWeight, dequantize_activations, quantize_activations,
                                  quantize_activations_t, quantize_weight_blockwise)
+from pallas_kernels import act_quant
 from pallas_kernels import fp8_gemm as gemm_kernel
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel
 from pallas_kernels import fp8_grouped_gemm as grouped_gemm_kernel
@@ -342,28 +343,52 @@ class W8A8Policy(MatmulPolicy):
                              in_specs=(P(None, k_ax), w_spec, w_spec) + (P(),) * len(replicated),
                              out_specs=P(None, n_ax), check_vma=False)(x, w.q, w.scale_inv, *replicated)
 
+    def _kernels_for(self, w: QuantizedWeight) -> bool:
+        return self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK
+
+    def _kernel_gemm(self, quantize: Any) -> Any:
+        """The kernels' GEMM ``gemm(x, q, scale_inv, out_dtype)`` of activations ``x`` that ``quantize(x,
+        scales_t)`` turns into FP8 codes and 1x128 scales (``[K/128, M]`` when ``scales_t``, cuBLASLt's order,
+        else ``[M, K/128]``); K is the weight's."""
+        interpret = jax.default_backend() != "gpu"
+
+        def gemm(x, q, s, out_dtype):
+            m, (n, k) = x.shape[0], q.shape
+            if not interpret and use_cublaslt(self.gemm, m, n, k, out_dtype):
+                return cublaslt.fp8_gemm_cublaslt_t(*quantize(x, True), q, s, out_dtype=out_dtype)
+            xq, xs = quantize(x, False)
+            if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
+                return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
+            return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K
+
+        return gemm
+
     def dot(self, x: jax.Array, w: Any, site: Site) -> jax.Array:
         if not isinstance(w, QuantizedWeight):
             return self._dense.dot(x, w, site)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.kernels.pallas() and self.group_size == _KERNEL_BLOCK[1] and w.block_size == _KERNEL_BLOCK:
-            interpret = jax.default_backend() != "gpu"
-
-            def gemm(x, q, s, out_dtype):
-                m, (n, k) = x.shape[0], q.shape
-                if not interpret and use_cublaslt(self.gemm, m, n, k, out_dtype):  # scales in cuBLASLt's order
-                    return cublaslt.fp8_gemm_cublaslt_t(*quantize_activations_t(x, self.group_size), q, s,
-                                                        out_dtype=out_dtype)
-                xq, xs = quantize_activations(x, self.group_size)
-                if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
-                    return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
-                return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K
-
-            y = self._per_shard(gemm, site, w, x2)
+        if self._kernels_for(w):
+            gs = self.group_size
+            quantize = lambda x, t: quantize_activations_t(x, gs) if t else quantize_activations(x, gs)  # noqa: E731
+            y = self._per_shard(self._kernel_gemm(quantize), site, w, x2)
         else:
             xq, xs = quantize_activations(x2, self.group_size)
             y = w8a8_matmul_reference(xq, xs, w, self.group_size)
+        return y.astype(self.compute_dtype).reshape(*lead, w.shape[0])
+
+    def swiglu_dot(self, gu: jax.Array, w: Any, site: Site) -> jax.Array:
+        """With the kernels, an unsharded FP8 weight and bf16 ``gu``: ``silu(g) * u`` and its quantization in
+        one kernel (`pallas_kernels.act_quant.silu_mul_quant`, the same codes and scales as the composition
+        up to the GPU's exponential: its note), then the GEMM ``dot`` runs; else ``dot``'s path."""
+        lead = gu.shape[:-1]
+        gu2 = gu.reshape(-1, gu.shape[-1])
+        if (not isinstance(w, QuantizedWeight) or not self._kernels_for(w) or self.sharding is not None
+                or jnp.dtype(gu.dtype) != jnp.dtype(jnp.bfloat16) or not act_quant.supports(tuple(gu2.shape))):
+            return super().swiglu_dot(gu, w, site)
+        interpret = jax.default_backend() != "gpu"
+        quantize = lambda x, t: act_quant.silu_mul_quant(x, scales_t=t, interpret=interpret)  # noqa: E731
+        y = self._kernel_gemm(quantize)(gu2, w.q, w.scale_inv, out_dtype=self.compute_dtype)
         return y.astype(self.compute_dtype).reshape(*lead, w.shape[0])
 
     def ragged_dot(self, x: jax.Array, w: Any, group_sizes: jax.Array, site: Site) -> jax.Array:
