@@ -155,6 +155,22 @@ def test_inspect_codegen_counts_the_innermost_loop_of_sass():
     assert insp._sass_loop("/*0000*/ EXIT ;") == {}
 
 
+def test_bench_decode_gemms_tiny(tmp_path):
+    """Every decode GEMM of the preset in each variant, with its error against float64 (on the CPU the timings
+    are NaN: no GPU kernels to trace)."""
+    bench = _load("bench_decode_gemms")
+    out = tmp_path / "gemms.json"
+    rows = bench.main(["--preset", "tiny_qwen3", "--m", "8", "--splits", "2", "--sets", "2", "--out", str(out)])
+    assert out.exists()
+    names = {(r["shape"], r["variant"]) for r in rows}
+    for shape in ("qkv", "o_proj", "gate_up", "down_proj", "lm_head"):
+        assert {(shape, "bf16"), (shape, "bf16_splitk2")} <= names
+        assert ((shape, "fp8") in names) is (shape != "lm_head")
+    for r in rows:
+        assert r["max_rel_err"] <= (2e-2 if r["variant"].startswith("bf16") else 6e-2), r
+        assert np.isnan(r["gpu_ms"])
+
+
 def test_profile_decode_tiny(tmp_path):
     """The profile runs the engine's decode loop on a tiny model on the CPU (no trace: no GPU kernels), from the
     W1-like state too (equal lengths, the engine's page order)."""
