@@ -398,15 +398,25 @@ def main(cfg: BenchConfig) -> dict:
         return next((b["tokens_per_s"] for b in results["runs"]
                      if b["mode"] == "none" and b.get("workload") == r.get("workload")), None)
 
-    print("\n| mode | tokens/s | vs none | preemptions | weight sync ms | decode step ms (batch) | of HBM roofline |"
-          "\n|---|---|---|---|---|---|---|")
+    print("\n| mode | tokens/s | vs none | preemptions | weight sync ms | decode step ms (batch) | of HBM roofline "
+          "| SM MHz median (power-capped) |\n|---|---|---|---|---|---|---|---|")
     for r in results["runs"]:
         ratio = f"{r['tokens_per_s'] / base(r):.2f}x" if base(r) else "n/a"
         step = (f"{r['decode_step_ms']:.2f} ({r['decode_batch_mean']:.0f}) | {r['decode_hbm_fraction']:.0%}"
                 if "decode_step_ms" in r else "n/a | n/a")
         name = r["mode"] + (f" ({r['workload']})" if "workload" in r else "")
-        print(f"| {name} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} | {step} |")
+        print(f"| {name} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} | {step} "
+              f"| {clocks_cell(r.get('gpu_during_run'))} |")
     return results
+
+
+def clocks_cell(gpu: dict | None) -> str:
+    """The table's clock column from a run's `GpuMonitor` summary: the SM clock's median and the share of samples
+    the power cap was throttling (session 20: W1 ran at the H200's 700 W cap, 1620-1810 MHz against 1980)."""
+    if not gpu or not gpu.get("sm_clock_mhz"):
+        return "n/a"
+    capped = (gpu.get("clock_event_reasons") or {}).get("sw_power_cap", 0.0)
+    return f"{gpu['sm_clock_mhz']['median']:.0f} ({capped:.0%})"
 
 
 if __name__ == "__main__":

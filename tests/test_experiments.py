@@ -42,6 +42,11 @@ def test_bench_rollout_tiny(tmp_path):
         assert calls.ndim == 2 and calls.shape[1] == 4 and len(calls) >= 1 and (calls[:, 3] > 0).all()
         assert abs(calls[:, 0].sum() * engine.steps_per_call / 1e3 - r["decode_s"]) < 1e-5 * len(calls) + 1e-9
         assert ((calls[:, 1] >= 1) & (calls[:, 1] <= 4)).all() and ((calls[:, 2] >= 1) & (calls[:, 2] <= 32)).all()
+    # the table's clock column: SM clock median and the share of samples under the power cap; n/a without samples
+    assert bench.clocks_cell(res["runs"][0]["gpu_during_run"]) == "n/a" == bench.clocks_cell(None)
+    sm = {"median": 1740.0, "min": 1530.0, "max": 1935.0}
+    assert bench.clocks_cell({"sm_clock_mhz": sm, "clock_event_reasons": {"sw_power_cap": 0.992}}) == "1740 (99%)"
+    assert bench.clocks_cell({"sm_clock_mhz": sm, "clock_event_reasons": None}) == "1740 (0%)"
 
 
 def test_bench_rollout_kv_pool_like_vllm(tmp_path):
