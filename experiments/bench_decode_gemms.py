@@ -14,7 +14,11 @@ preset's fused q/k/v and gate/up, o_proj, down_proj, lm_head) and per M:
 
 GPU time per call from one profiled program (`pallas_kernels.common.replay_gpu_ms`) over ``--sets`` different
 weights (so no weight is read from L2), TFLOP/s and the weight bytes' GB/s; each variant's max relative error
-against float64 numpy of the same BF16 / FP8 operands. Writes JSON (with the run's environment).
+against float64 numpy of the same BF16 / FP8 operands. Writes JSON (with the run's environment). Off the GPU it
+checks the errors only (the timings are NaN: no GPU kernels to trace; FP8 through the policy's jnp reference).
+
+Measured on the H200 (session 20, `experiments/results/h200_session20_2026-12-02.md`): the BF16 split-K helped
+no shape at M = 256; FP8 o_proj and qkv take ~15 us in cuBLASLt's kernel whatever their size.
 
     python experiments/bench_decode_gemms.py --preset qwen3_8b --m 64 128 256 --out experiments/results/x.json
 """
@@ -22,7 +26,6 @@ against float64 numpy of the same BF16 / FP8 operands. Writes JSON (with the run
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
