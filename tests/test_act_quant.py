@@ -127,4 +127,9 @@ def test_policy_swiglu_dot_runs_the_kernel_and_equals_the_composition(monkeypatc
     wd = jax.random.normal(jax.random.key(3), (n, i), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(pol.swiglu_dot(gu, wd, SITE), np.float32),
                                   np.asarray(DensePolicy("bfloat16").dot(jax.nn.silu(g) * u, wd, SITE), np.float32))
+    gu3 = _gu(6, 192, seed=4)  # I = 192: not whole quantization groups, the kernel does not take it
+    w3 = quantize_weight(jax.random.normal(jax.random.key(5), (n, 192), jnp.float32) * 0.05, kernels=Kernels.REFERENCE)
+    g3, u3 = jnp.split(gu3, 2, axis=-1)
+    np.testing.assert_array_equal(np.asarray(pol.swiglu_dot(gu3, w3, SITE), np.float32),
+                                  np.asarray(pol.dot(jax.nn.silu(g3) * u3, w3, SITE), np.float32))
     assert not calls
