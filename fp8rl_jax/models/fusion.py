@@ -51,7 +51,11 @@ class FusedWeight:
 
 def fused_dot(policy: Any, x: jax.Array, fw: FusedWeight, site: Any) -> list[jax.Array]:
     """``policy.dot`` of the concatenated weight, split back into the parts' outputs."""
-    y = policy.dot(x, fw.w, site)
+    return split_fused(policy.dot(x, fw.w, site), fw)
+
+
+def split_fused(y: jax.Array, fw: FusedWeight) -> list[jax.Array]:
+    """A fused GEMM's output ``[..., sum(sizes)]`` split back into the parts' outputs."""
     return jnp.split(y, np.cumsum(fw.sizes)[:-1].tolist(), axis=-1)
 
 

@@ -113,6 +113,21 @@ class MatmulPolicy(abc.ABC):
         g, u = jnp.split(gu, 2, axis=-1)
         return self.dot(jax.nn.silu(g) * u, w, site)
 
+    def norm_dot(self, x: jax.Array, weight: jax.Array, eps: float, w: Any, site: Site,
+                 residual: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``h = x + residual`` (``x`` when None) and ``dot(rms_norm(h, weight, eps), w)``, returned as ``(h, y)``:
+        a linear layer fed by the residual stream's RMSNorm (the generator's fused q/k/v and gate/up). A policy may
+        fuse the add and the norm into its input quantization."""
+        h = x if residual is None else x + residual
+        return h, self.dot(rms_norm(h, weight, eps), w, site)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3's RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps))``, normalized in float32, the product in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
 
 def matmul_precision(dtype: Any) -> jax.lax.Precision:
     """float32 means float32: without HIGHEST, XLA on Hopper multiplies float32 in TF32

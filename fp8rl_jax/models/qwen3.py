@@ -37,8 +37,8 @@ from flax import nnx
 from fp8rl_jax.models.attention import apply_rope, causal_mask, dot_attention, rope_cos_sin
 from fp8rl_jax.models.kv_cache import KVCache, PagedKVCache
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.fusion import FusedWeight, fused_dot, fused_ragged_dot
-from fp8rl_jax.models.policy import DensePolicy, MatmulPolicy, Proj, Site, matmul_precision
+from fp8rl_jax.models.fusion import FusedWeight, fused_dot, fused_ragged_dot, split_fused
+from fp8rl_jax.models.policy import DensePolicy, MatmulPolicy, Proj, Site, matmul_precision, rms_norm
 
 _INIT_STD = 0.02  # HF's initializer_range for Qwen3
 
@@ -55,9 +55,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 class Linear(nnx.Module):
@@ -86,13 +84,32 @@ class Attention(nnx.Module):
         self.layer = layer
 
     def __call__(self, x, cos, sin, mask, cache, num_new):
-        B, T, _ = x.shape
-        N, K, H = self.shape
+        """Attention of the layer's normalized input ``x`` [B, T, D]: ``(out, cache)``."""
         wq = self.q_proj.weight.get_value()
         if isinstance(wq, FusedWeight):  # the generator's layout: [q; k; v] in one GEMM (fusion.py)
-            q, k, v = fused_dot(self.q_proj.policy, x, wq, self.q_proj.site)
+            qkv = fused_dot(self.q_proj.policy, x, wq, self.q_proj.site)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qkv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self._attend(*qkv, cos, sin, mask, cache, num_new)
+
+    def norm_call(self, x, norm: RMSNorm, residual, cos, sin, mask, cache, num_new):
+        """``(h, out, cache)``: the residual stream ``h = x + residual`` (``x`` when None) and the attention of
+        ``norm(h)``. The fused layout's q/k/v GEMM takes the add and the norm through ``policy.norm_dot`` (an FP8
+        policy runs them in its input quantization); otherwise the same ops as ``self(norm(h))``."""
+        wq = self.q_proj.weight.get_value()
+        if isinstance(wq, FusedWeight):
+            h, y = self.q_proj.policy.norm_dot(x, norm.weight[...], norm.eps, wq.w, self.q_proj.site, residual)
+            qkv = split_fused(y, wq)
+        else:
+            h = x if residual is None else x + residual
+            xn = norm(h)
+            qkv = self.q_proj(xn), self.k_proj(xn), self.v_proj(xn)
+        out, cache = self._attend(*qkv, cos, sin, mask, cache, num_new)
+        return h, out, cache
+
+    def _attend(self, q, k, v, cos, sin, mask, cache, num_new):
+        B, T, _ = q.shape
+        N, K, H = self.shape
         q = apply_rope(self.q_norm(q.reshape(B, T, N, H)), cos, sin)
         k = apply_rope(self.k_norm(k.reshape(B, T, K, H)), cos, sin)
         v = v.reshape(B, T, K, H)
@@ -121,6 +138,18 @@ class MLP(nnx.Module):
             return self.down_proj.policy.swiglu_dot(gu, self.down_proj.weight.get_value(), self.down_proj.site)
         g, u = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(jax.nn.silu(g) * u)
+
+    def norm_call(self, x: jax.Array, norm: RMSNorm, residual: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """``(h, y)``: ``h = x + residual`` (``x`` when None) and the MLP of ``norm(h)``; the fused layout's gate/up
+        GEMM takes the add and the norm through ``policy.norm_dot`` (`Attention.norm_call`)."""
+        wg = self.gate_proj.weight.get_value()
+        if isinstance(wg, FusedWeight):
+            if wg.sizes[0] != wg.sizes[1]:
+                raise ValueError(f"fused gate/up parts must be equal, got sizes {wg.sizes}")
+            h, gu = self.gate_proj.policy.norm_dot(x, norm.weight[...], norm.eps, wg.w, self.gate_proj.site, residual)
+            return h, self.down_proj.policy.swiglu_dot(gu, self.down_proj.weight.get_value(), self.down_proj.site)
+        h = x if residual is None else x + residual
+        return h, self(norm(h))
 
 
 class Experts(nnx.Module):
@@ -228,14 +257,22 @@ class DecoderLayer(nnx.Module):
     def routed(self, x, cos, sin, mask, cache, num_new, replay=None, token_mask=None):
         """``__call__`` that also returns the experts of an MoE layer ([B, T, k] int32; None for a
         dense MLP) and replays ``replay`` [B, T, k] (``MoE.apply``)."""
-        a, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, num_new)
-        x = x + a
-        h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, MoE):
-            y, experts = self.mlp.apply(h, replay, token_mask)
-        else:
-            y, experts = self.mlp(h), None
+        x, y, cache, experts = self.deferred(x, None, cos, sin, mask, cache, num_new, replay, token_mask)
         return x + y, cache, experts
+
+    def deferred(self, x, residual, cos, sin, mask, cache, num_new, replay=None, token_mask=None):
+        """`routed` with the residual adds moved to the consumers: the layer's input is ``x + residual`` (``x``
+        when None) and it returns ``(h, y, cache, experts)``, its output being ``h + y``. The model's layer loop
+        hands ``y`` on as the next layer's ``residual``, so every add lands in front of an RMSNorm, where an FP8
+        policy fuses add, norm and quantization into one kernel (`MatmulPolicy.norm_dot`); otherwise these are the
+        same ops in the same order as before."""
+        x, a, cache = self.self_attn.norm_call(x, self.input_layernorm, residual, cos, sin, mask, cache, num_new)
+        if isinstance(self.mlp, MoE):
+            x = x + a
+            y, experts = self.mlp.apply(self.post_attention_layernorm(x), replay, token_mask)
+        else:
+            (x, y), experts = self.mlp.norm_call(x, self.post_attention_layernorm, a), None
+        return x, y, cache, experts
 
 
 class Embed(nnx.Module):
@@ -344,6 +381,7 @@ class Qwen3(nnx.Module):
             token_mask = jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]
         x = self.embed_tokens(tokens, self.policy.compute_dtype)
         chosen, j = [], 0
+        y = None  # the last layer's output is x + y (DecoderLayer.deferred); remat layers add it themselves
         for layer in self.layers:
             replay = None
             if routing is not None and isinstance(layer.mlp, MoE):
@@ -351,12 +389,13 @@ class Qwen3(nnx.Module):
             if remat:
                 x, experts = _remat_layer(layer, x, cos, sin, mask, replay, token_mask)
             else:
-                x, cache, experts = layer.routed(x, cos, sin, mask, cache, num_new, replay, token_mask)
+                x, y, cache, experts = layer.deferred(x, y, cos, sin, mask, cache, num_new, replay, token_mask)
             if experts is not None:
                 chosen.append(experts)
                 j += 1
         if cache is not None:
             cache = cache.advance(num_new)
+        x = x if y is None else x + y
         return self.norm(x), cache, (jnp.stack(chosen, axis=2) if chosen else None)
 
     def logits(self, h: jax.Array) -> jax.Array:

@@ -261,6 +261,11 @@ class GemmBackend(enum.Enum):
         return self.value if self is not GemmBackend.AUTO else (env if env not in ("", "auto") else "auto")
 
 
+def _interpret() -> bool:
+    """Pallas kernels run in interpret mode off the GPU."""
+    return jax.default_backend() != "gpu"
+
+
 def use_cublaslt(gemm: GemmBackend, m: int, n: int, k: int, out_dtype: Any) -> bool:
     """Whether an ``[M, K] x [N, K]^T`` FP8 GEMM goes to cuBLASLt on this GPU: ``gemm`` resolves to it for
     the shape and cuBLASLt takes the shape. Raises where cuBLASLt was asked for by name (the field or
@@ -350,18 +355,32 @@ class W8A8Policy(MatmulPolicy):
         """The kernels' GEMM ``gemm(x, q, scale_inv, out_dtype)`` of activations ``x`` that ``quantize(x,
         scales_t)`` turns into FP8 codes and 1x128 scales (``[K/128, M]`` when ``scales_t``, cuBLASLt's order,
         else ``[M, K/128]``); K is the weight's."""
-        interpret = jax.default_backend() != "gpu"
-
         def gemm(x, q, s, out_dtype):
-            m, (n, k) = x.shape[0], q.shape
-            if not interpret and use_cublaslt(self.gemm, m, n, k, out_dtype):
-                return cublaslt.fp8_gemm_cublaslt_t(*quantize(x, True), q, s, out_dtype=out_dtype)
-            xq, xs = quantize(x, False)
-            if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
-                return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
-            return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K
+            t = self._scales_t(x.shape[0], *q.shape, out_dtype)
+            return self._quantized_gemm(*quantize(x, t), t, q, s, out_dtype)
 
         return gemm
+
+    def _scales_t(self, m: int, n: int, k: int, out_dtype: Any) -> bool:
+        """Whether the kernels' GEMM of ``[M, K] x [N, K]^T`` reads the activation scales ``[K/128, M]``
+        (cuBLASLt) rather than ``[M, K/128]`` (the Pallas GEMMs)."""
+        return jax.default_backend() == "gpu" and use_cublaslt(self.gemm, m, n, k, out_dtype)
+
+    def _quantized_gemm(self, xq, xs, scales_t: bool, q, s, out_dtype):
+        """The kernels' GEMM of quantized activations (scales in the order `_scales_t` chose) and an FP8 weight."""
+        interpret = _interpret()
+        if scales_t:
+            return cublaslt.fp8_gemm_cublaslt_t(xq, xs, q, s, out_dtype=out_dtype)
+        m, (n, k) = xq.shape[0], q.shape
+        if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
+            return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
+        return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K
+
+    def _one_pass(self, w: Any, x: jax.Array, fits: Any) -> bool:
+        """Whether a one-pass `pallas_kernels.act_quant` kernel quantizes the activation ``x`` (2-D) of the FP8
+        weight ``w``: the kernels on, no sharding, bf16 ``x`` of a shape ``fits`` takes."""
+        return (isinstance(w, QuantizedWeight) and self._kernels_for(w) and self.sharding is None
+                and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and fits(tuple(x.shape)))
 
     def dot(self, x: jax.Array, w: Any, site: Site) -> jax.Array:
         if not isinstance(w, QuantizedWeight):
@@ -370,7 +389,10 @@ class W8A8Policy(MatmulPolicy):
         x2 = x.reshape(-1, x.shape[-1])
         if self._kernels_for(w):
             gs = self.group_size
-            quantize = lambda x, t: quantize_activations_t(x, gs) if t else quantize_activations(x, gs)  # noqa: E731
+            if self._one_pass(w, x2, act_quant.supports_plain):  # one kernel where XLA ran three (act_quant's note)
+                quantize = lambda x, t: act_quant.quantize_1x128(x, scales_t=t, interpret=_interpret())  # noqa: E731
+            else:
+                quantize = lambda x, t: quantize_activations_t(x, gs) if t else quantize_activations(x, gs)  # noqa: E731
             y = self._per_shard(self._kernel_gemm(quantize), site, w, x2)
         else:
             xq, xs = quantize_activations(x2, self.group_size)
@@ -383,13 +405,30 @@ class W8A8Policy(MatmulPolicy):
         up to the GPU's exponential: its note), then the GEMM ``dot`` runs; else ``dot``'s path."""
         lead = gu.shape[:-1]
         gu2 = gu.reshape(-1, gu.shape[-1])
-        if (not isinstance(w, QuantizedWeight) or not self._kernels_for(w) or self.sharding is not None
-                or jnp.dtype(gu.dtype) != jnp.dtype(jnp.bfloat16) or not act_quant.supports(tuple(gu2.shape))):
+        if not self._one_pass(w, gu2, act_quant.supports):
             return super().swiglu_dot(gu, w, site)
-        interpret = jax.default_backend() != "gpu"
-        quantize = lambda x, t: act_quant.silu_mul_quant(x, scales_t=t, interpret=interpret)  # noqa: E731
+        quantize = lambda x, t: act_quant.silu_mul_quant(x, scales_t=t, interpret=_interpret())  # noqa: E731
         y = self._kernel_gemm(quantize)(gu2, w.q, w.scale_inv, out_dtype=self.compute_dtype)
         return y.astype(self.compute_dtype).reshape(*lead, w.shape[0])
+
+    def norm_dot(self, x: jax.Array, weight: jax.Array, eps: float, w: Any, site: Site,
+                 residual: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """With the kernels, an unsharded FP8 weight and bf16 ``x`` of a power-of-two width: the residual add, the
+        RMSNorm and the quantization in one kernel (`pallas_kernels.act_quant.add_rms_norm_quant`; the
+        composition's codes up to the GPU's ``rsqrt``: its note), then the GEMM ``dot`` runs; else the
+        composition (`MatmulPolicy.norm_dot`)."""
+        lead, d = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, d)
+        if (not self._one_pass(w, x2, act_quant.supports_norm)
+                or (residual is not None and (jnp.dtype(residual.dtype) != jnp.dtype(x.dtype)
+                                              or residual.shape != x.shape))):
+            return super().norm_dot(x, weight, eps, w, site, residual)
+        r2 = None if residual is None else residual.reshape(-1, d)
+        t = self._scales_t(x2.shape[0], *w.q.shape, self.compute_dtype)
+        out = act_quant.add_rms_norm_quant(x2, weight, eps, residual=r2, scales_t=t, interpret=_interpret())
+        h = x if r2 is None else out[0].reshape(x.shape)
+        y = self._quantized_gemm(*out[-2:], t, w.q, w.scale_inv, self.compute_dtype)
+        return h, y.astype(self.compute_dtype).reshape(*lead, w.shape[0])
 
     def ragged_dot(self, x: jax.Array, w: Any, group_sizes: jax.Array, site: Site) -> jax.Array:
         if not isinstance(w, QuantizedWeight):
