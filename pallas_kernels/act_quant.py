@@ -41,6 +41,10 @@ The other activations the FP8 linears quantize, each in one pass as well (sessio
   arithmetic; the kernel rounds every op as written (as torch does). Compiled without excess precision, the
   generator's logits equal the composition's bit for bit (`tests/test_act_quant.py`); with it, on a tiny random
   FP8 model, both were as far from float32 (relative logit error 0.0698 against 0.0692).
+- `add_rms_norm`: the same add and norm without the quantization, for the BF16 linears (modes ``none`` and ``kv``):
+  writes ``h`` and ``y`` in bf16. XLA ran the decode step's pair of norms as three kernels per layer (the input
+  norm's add, then its norm reading ``h`` back, and the post-attention add + norm: 180 + 95 + 167 us per step of
+  the Qwen3-8B kv profile at 256 rows, session 22). `add_rms_norm_reference` is the twin.
 - `quantize_1x128`: plain `quantize_activations` / `quantize_activations_t` of a bf16 matrix (the o_proj input,
   the attention output; XLA ran it as three kernels, 78 + 61 + 58 us per step). On the CPU bit for bit. XLA:GPU's
   float32 division is not IEEE: on the H200 60% of its scales were an ulp or two from the kernel's and 0.17% of the
@@ -255,6 +259,66 @@ def _norm_call(x, residual, weight, eps: float, scales_t: bool, config: NormQuan
     )(*ins)
 
 
+def _plain_norm_kernel(*refs, residual: bool, eps: float):
+    if residual:
+        x_ref, r_ref, w_ref, h_ref, y_ref = refs
+    else:
+        (x_ref, w_ref, y_ref), r_ref, h_ref = refs, None, None
+    h = x_ref[...].astype(jnp.float32)
+    if residual:  # h = x + residual in bf16
+        h = _bf16(h + r_ref[...].astype(jnp.float32))
+        h_ref[...] = h.astype(h_ref.dtype)
+    inv_rms = jax.lax.rsqrt(jnp.mean(h * h, axis=1, keepdims=True) + jnp.float32(eps))
+    y_ref[...] = (w_ref[...].astype(jnp.float32) * _bf16(h * inv_rms)).astype(y_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "config", "interpret"))
+def _plain_norm_call(x, residual, weight, eps: float, config: NormQuantConfig, interpret: bool):
+    m, d = x.shape
+    bm = _pow2_divisor(m, config.block_m)
+    row = pl.BlockSpec((bm, d), lambda r: (r, 0))
+    ins = [x] + ([residual] if residual is not None else []) + [weight.astype(jnp.bfloat16).reshape(1, d)]
+    in_specs = [row] * (len(ins) - 1) + [pl.BlockSpec((1, d), lambda r: (0, 0))]
+    n_out = 2 if residual is not None else 1
+    return pl.pallas_call(
+        functools.partial(_plain_norm_kernel, residual=residual is not None, eps=eps), grid=(m // bm,),
+        in_specs=in_specs, out_specs=[row] * n_out, out_shape=[jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * n_out,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=interpret, name="add_rms_norm",
+    )(*ins)
+
+
+def add_rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, residual: jax.Array | None = None,
+                 config: NormQuantConfig | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
+    """``h = x + residual`` (``x`` when there is none) and ``rms_norm(h, weight, eps)`` in one kernel, bf16 ``[M, D]``
+    in and out (module note): ``(h, y)`` with a residual, ``(y,)`` without. The tiling is `add_rms_norm_quant`'s."""
+    config = DEFAULT_NORM_CONFIG if config is None else config
+    _check_norm_inputs("add_rms_norm", x, weight, residual)
+    return tuple(_plain_norm_call(x, residual, weight, float(eps), config, resolve_interpret(interpret)))
+
+
+def add_rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float, *, residual: jax.Array | None = None
+                           ) -> tuple[jax.Array, ...]:
+    """The jnp twin: ``h = x + residual``, ``rms_norm(h, weight, eps)``; ``(h, y)`` with a residual, ``(y,)``
+    without."""
+    h = x if residual is None else x + residual
+    y = rms_norm(h, weight, eps)
+    return (y,) if residual is None else (h, y)
+
+
+def _check_norm_inputs(name: str, x, weight, residual) -> None:
+    arrays = {"x": x} if residual is None else {"x": x, "residual": residual}
+    for what, a in arrays.items():
+        if not hasattr(a, "dtype") or jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16):
+            raise ValueError(f"{name} takes bfloat16 [M, D] {what}, got {getattr(a, 'dtype', type(a))}")
+    if not supports_norm(tuple(x.shape)):
+        raise ValueError(f"{name} takes [M, D] with D a power of two >= {GROUP}, got {tuple(x.shape)}")
+    if residual is not None and tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if tuple(weight.shape) != (x.shape[1],):
+        raise ValueError(f"norm weight shape {tuple(weight.shape)} != ({x.shape[1]},)")
+
+
 def _scale_spec(m: int, groups: int, bm: int, gb: int, scales_t: bool, row_block, group_block):
     """The scales' BlockSpec and shape: ``[groups, M]`` blocks ``(gb, bm)`` when ``scales_t``, else the transpose."""
     if scales_t:
@@ -271,16 +335,7 @@ def add_rms_norm_quant(x: jax.Array, weight: jax.Array, eps: float, *, residual:
     quantization in one kernel (module note). ``x`` and ``residual`` bf16 ``[M, D]``; returns ``(h, q, scales)``
     with a residual, ``(q, scales)`` without; scales ``[D/128, M]`` when ``scales_t``, else ``[M, D/128]``."""
     config = DEFAULT_NORM_CONFIG if config is None else config
-    arrays = {"x": x} if residual is None else {"x": x, "residual": residual}
-    for name, a in arrays.items():
-        if not hasattr(a, "dtype") or jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16):
-            raise ValueError(f"add_rms_norm_quant takes bfloat16 [M, D] {name}, got {getattr(a, 'dtype', type(a))}")
-    if not supports_norm(tuple(x.shape)):
-        raise ValueError(f"add_rms_norm_quant takes [M, D] with D a power of two >= {GROUP}, got {tuple(x.shape)}")
-    if residual is not None and tuple(residual.shape) != tuple(x.shape):
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if tuple(weight.shape) != (x.shape[1],):
-        raise ValueError(f"norm weight shape {tuple(weight.shape)} != ({x.shape[1]},)")
+    _check_norm_inputs("add_rms_norm_quant", x, weight, residual)
     return tuple(_norm_call(x, residual, weight, float(eps), scales_t, config, resolve_interpret(interpret)))
 
 
@@ -342,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", type=int, nargs="+", default=[256, 4096])
     p.add_argument("--i", type=int, default=12288)
     p.add_argument("--d", type=int, default=4096)
-    p.add_argument("--kernels", nargs="+", default=["silu", "norm", "plain"], choices=["silu", "norm", "plain"])
+    p.add_argument("--kernels", nargs="+", default=["silu", "norm", "plain"],
+                   choices=["silu", "norm", "plain", "bnorm"])
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sets", type=int, default=6)
     p.add_argument("--out", default=None)
@@ -365,6 +421,16 @@ def main(argv: list[str] | None = None) -> int:
             impl = lambda cfg: lambda x, r, w: add_rms_norm_quant(x, w, 1e-6, residual=r, config=cfg,  # noqa: E731
                                                                    interpret=False)
             configs = [NormQuantConfig(bm, w) for bm, w in itertools.product((1, 2, 4, 8), (2, 4, 8))]
+            default = DEFAULT_NORM_CONFIG
+        elif kind == "bnorm":  # add + RMSNorm, bf16 out (the BF16 linears' input)
+            d = args.d
+            sets = [(_gu_random(m, d // 2, seed), _gu_random(m, d // 2, seed + 100) * 0.25,
+                     jnp.ones((d,), jnp.bfloat16)) for seed in range(args.sets)]
+            moved = 4 * m * d * 2
+            ref = lambda x, r, w: add_rms_norm_reference(x, w, 1e-6, residual=r)  # noqa: E731
+            impl = lambda cfg: lambda x, r, w: add_rms_norm(x, w, 1e-6, residual=r, config=cfg,  # noqa: E731
+                                                             interpret=False)
+            configs = [NormQuantConfig(bm, w) for bm, w in itertools.product((1, 2, 4), (4, 8, 16))]
             default = DEFAULT_NORM_CONFIG
         else:
             d = args.d

@@ -21,6 +21,27 @@ donated or carried in a loop, the update is in place.
 Math: none beyond the cast; bitwise equal to the reference twin (`kv_write_reference`, the
 scatter the cache used). Under tensor parallelism the cache runs it per kv-head shard
 (``shard_map``): rows, pages and slots are the same on every shard.
+
+The q/k/v epilogue in the same pass (`qkv_rope_write`)
+------------------------------------------------------
+What: the generator runs q, k and v as one GEMM (``models/fusion.py``); between that GEMM and the
+attention kernel a decode step splits its output, RMS-normalizes q and k per head (Qwen3's
+q_norm / k_norm), rotates both (RoPE), and writes k and v to the pools. XLA ran that as six
+kernels per layer on the H200 (session 20's HLO of the Qwen3-8B decode step at 256 rows: q norm
+82, k norm 65, q RoPE 73, k RoPE 58, v's slice copy 72 and the write 76 us per step, 426 us,
+~2.7% of the mode-all step). `qkv_rope_write` does it in one program per row: it reads the row's
+``[(N + 2K) H]`` GEMM output once, writes q ``[N, H]`` (normalized and rotated, the attention
+kernel's input) and stores the new k and v at ``(page[b], slot[b])`` of the pools, in place.
+
+Math: exactly the model's ops in their order (`models.policy.rms_norm`, `models.attention.
+apply_rope`): per head ``y = w * bf16(x * rsqrt(mean(x^2) + eps))`` with the mean in float32, then
+``y * c + rot(y) * s`` with ``c, s`` the row's cos / sin cast to q's dtype and ``rot(y) = [-y[H/2:],
+y[:H/2]]``, every product and the sum rounded to q's dtype as XLA rounds them. The rotated half
+is read as a second, permuted load of the same row (``(h + H/2) mod H``, normalized with the same
+per-head factor), so no register tile is sliced. The reference twin is that composition
+(`qkv_rope_write_reference`); interpret mode equals it bit for bit, and on the GPU the tests allow
+XLA:GPU's reassociations and excess precision (one bf16 rounding step on a few elements).
+Tensor-parallel caches keep the separate ops (the q/k/v columns are sharded by head there).
 """
 
 from __future__ import annotations
@@ -154,3 +175,263 @@ def kv_write_reference(k_new, v_new, k_pages, v_pages, page, slot, k_scale, v_sc
     k_pages = k_pages.at[page, slot].set(_cast(k_new, ks, k_pages.dtype), mode="drop")
     v_pages = v_pages.at[page, slot].set(_cast(v_new, vs, v_pages.dtype), mode="drop")
     return k_pages, v_pages
+
+
+def supports_qkv(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `qkv_rope_write` takes this attention shape (the pool write's rule, an even head dim for
+    RoPE's halves, and whole GQA groups; the query heads need not be a power of two)."""
+    return (supports(num_kv_heads, head_dim) and head_dim % 2 == 0 and num_heads >= 1
+            and num_heads % num_kv_heads == 0)
+
+
+def _pow2_parts(n: int) -> list[tuple[int, int]]:
+    """``(first, rows)`` pieces of ``range(n)`` whose sizes are powers of two (``n``'s binary digits, largest
+    first): Triton tiles, with no padding rows to mask (40 query heads: 32 + 8)."""
+    parts, first = [], 0
+    for bit in reversed(range(n.bit_length())):
+        if n >> bit & 1:
+            parts.append((first, 1 << bit))
+            first += 1 << bit
+    return parts
+
+
+def _norm_rope_tile(qkv_ref, b, first: int, rows: int, h: int, w, wp, c, s, neg, eps: float, dt):
+    """Heads ``first .. first + rows`` (a power of two) of row ``b``: RMS-normalized with ``w`` and rotated.
+    ``wp`` is ``w`` at the permuted dims ``(d + H/2) mod H``, ``neg`` the dims whose rotated value is negated,
+    ``c`` / ``s`` the rotary tables rounded to ``dt``."""
+    r_idx = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    d_idx = jnp.arange(h, dtype=jnp.int32)[None, :]
+    base = (first + r_idx) * h
+    bb = jnp.full((rows, h), b, jnp.int32)
+    x = plgpu.load(qkv_ref.at[bb, base + d_idx]).astype(jnp.float32)
+    xp = plgpu.load(qkv_ref.at[bb, base + (d_idx + h // 2) % h]).astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / h + eps)
+    y = (w[None, :] * (x * inv).astype(dt).astype(jnp.float32)).astype(dt).astype(jnp.float32)
+    yp = (wp[None, :] * (xp * inv).astype(dt).astype(jnp.float32)).astype(dt).astype(jnp.float32)
+    rot = jnp.where(neg[None, :], -yp, yp)
+    out = (y * c[None, :]).astype(dt).astype(jnp.float32) + (rot * s[None, :]).astype(dt).astype(jnp.float32)
+    return out.astype(dt)
+
+
+def _qkv_kernel(page_ref, slot_ref, inv_ref, qkv_ref, cos_ref, sin_ref, qw_ref, kw_ref, kp_in, vp_in,
+                q_out, kp_out, vp_out, *, num_pages: int, num_heads: int, q_eps: float, k_eps: float):
+    """Refs: page/slot [B], inv [2], qkv [B, (N + 2K) H], cos/sin [B, H] float32, qw/kw [H] (the norms'
+    weights), pools [P, page_size, K, H] (aliased in/out), q_out [B, N, H]. One program per row."""
+    del kp_in, vp_in
+    b = pl.program_id(0)
+    kh, h = kp_out.shape[2], kp_out.shape[3]
+    n = num_heads
+    dt = q_out.dtype
+    d = jnp.arange(h, dtype=jnp.int32)
+    dp = (d + h // 2) % h
+    neg = d < h // 2
+    c = plgpu.load(cos_ref.at[b, d]).astype(dt).astype(jnp.float32)
+    s = plgpu.load(sin_ref.at[b, d]).astype(dt).astype(jnp.float32)
+
+    def weights(ref):  # the norm weight cast to q's dtype, as rms_norm does, at the dims and the permuted ones
+        return (plgpu.load(ref.at[d]).astype(dt).astype(jnp.float32),
+                plgpu.load(ref.at[dp]).astype(dt).astype(jnp.float32))
+
+    qw = weights(qw_ref)
+    for first, rows in _pow2_parts(n):
+        q = _norm_rope_tile(qkv_ref, b, first, rows, h, *qw, c, s, neg, q_eps, dt)
+        q_idx = (jnp.full((rows, h), b, jnp.int32),
+                 jnp.broadcast_to(first + jnp.arange(rows, dtype=jnp.int32)[:, None], (rows, h)),
+                 jnp.broadcast_to(d[None, :], (rows, h)))
+        plgpu.store(q_out.at[q_idx], q)
+
+    k = _norm_rope_tile(qkv_ref, b, n, kh, h, *weights(kw_ref), c, s, neg, k_eps, dt)
+    kv_rows = jnp.broadcast_to(jnp.arange(kh, dtype=jnp.int32)[:, None], (kh, h))
+    cols = jnp.broadcast_to(d[None, :], (kh, h))
+    v = plgpu.load(qkv_ref.at[jnp.full((kh, h), b, jnp.int32), (n + kh + kv_rows) * h + cols])
+
+    page, slot = page_ref[b], slot_ref[b]
+    ok = jnp.full((kh, h), (page >= 0) & (page < num_pages))
+    page = jnp.clip(page, 0, num_pages - 1)
+    idx = (jnp.full((kh, h), page, jnp.int32), jnp.full((kh, h), slot, jnp.int32), kv_rows, cols)
+    plgpu.store(kp_out.at[idx], _cast(k, inv_ref[0], kp_out.dtype), mask=ok)
+    plgpu.store(vp_out.at[idx], _cast(v, inv_ref[1], vp_out.dtype), mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "q_eps", "k_eps", "num_warps", "interpret"))
+def _qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_pages, v_pages, page, slot, inv_scales, *, num_heads: int,
+                    q_eps: float, k_eps: float, num_warps: int, interpret: bool):
+    B, W = qkv.shape
+    P, ps, K, H = k_pages.shape
+    pool = pl.BlockSpec((P, ps, K, H), lambda b: (0, 0, 0, 0))
+
+    def whole(*shape):
+        return pl.BlockSpec(shape, lambda b: (0,) * len(shape))
+
+    return pl.pallas_call(
+        functools.partial(_qkv_kernel, num_pages=P, num_heads=num_heads, q_eps=q_eps, k_eps=k_eps),
+        grid=(B,),
+        in_specs=[whole(B), whole(B), whole(2), whole(B, W), whole(B, H), whole(B, H), whole(H), whole(H), pool, pool],
+        out_specs=[whole(B, num_heads, H), pool, pool],
+        out_shape=[jax.ShapeDtypeStruct((B, num_heads, H), qkv.dtype),
+                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={8: 1, 9: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="qkv_rope_kv_write",
+    )(page, slot, inv_scales, qkv, cos, sin, q_norm, k_norm, k_pages, v_pages)
+
+
+def _check_qkv(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, page, slot, k_scale, v_scale, num_heads) -> None:
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be a [P, page_size, K, H] pool, got {tuple(k_pages.shape)}")
+    K, H = k_pages.shape[2:]
+    if qkv.ndim != 2 or qkv.shape[1] != (num_heads + 2 * K) * H:
+        raise ValueError(f"qkv must be [B, (N + 2K) * H] = [B, {(num_heads + 2 * K) * H}] for N={num_heads} query "
+                         f"heads, K={K} kv heads of H={H}, got {tuple(qkv.shape)}")
+    if not jnp.issubdtype(qkv.dtype, jnp.floating) or jnp.dtype(qkv.dtype) == _FP8:
+        raise ValueError(f"qkv must be bfloat16, float16 or float32, got {qkv.dtype}")
+    if not supports_qkv(num_heads, K, H):
+        raise ValueError(f"unsupported attention shape: {num_heads} query heads, {K} kv heads (a power of two "
+                         f"dividing them), head dim {H} (a power of two, K * H >= 16)")
+    B = qkv.shape[0]
+    for name, x in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if tuple(x.shape) != (H,):
+            raise ValueError(f"{name} must be [H={H}], got {tuple(x.shape)}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if tuple(x.shape) != (B, H):
+            raise ValueError(f"{name} must be [B, H] = {(B, H)}, got {tuple(x.shape)}")
+    _check(jnp.zeros((B, K, H), qkv.dtype), jnp.zeros((B, K, H), qkv.dtype), k_pages, v_pages, page, slot,
+           k_scale, v_scale)
+
+
+def qkv_rope_write(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: jax.Array, sin: jax.Array,
+                   k_pages: jax.Array, v_pages: jax.Array, page: jax.Array, slot: jax.Array, k_scale: jax.Array,
+                   v_scale: jax.Array, *, num_heads: int, q_eps: float, k_eps: float, num_warps: int = 8,
+                   interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode step's q/k/v epilogue and KV write in one kernel (module note).
+
+    Args:
+      qkv: ``[B, (N + 2K) H]`` the fused q/k/v GEMM's output, one token per row (q's heads, then k's,
+        then v's).
+      q_norm, k_norm: ``[H]`` the RMSNorm weights of q and k (Qwen3's per-head norms).
+      cos, sin: ``[B, H]`` float32 rotary tables at each row's position (`rope_cos_sin`).
+      k_pages, v_pages, page, slot, k_scale, v_scale: as `kv_write` (pools aliased, rows whose page is
+        outside ``[0, P)`` write nothing).
+      num_heads: N. q_eps, k_eps: the norms' epsilons.
+      num_warps: per program (one row); 8 timed fastest on the H200 at 64 and 256 rows (session 22: 4.4 us at
+        256 rows against 5.5 with 4 and 11.4 for the ops it replaces).
+
+    Returns:
+      ``(q [B, N, H], k_pages, v_pages)``: q normalized and rotated in qkv's dtype, the pools updated.
+    """
+    _check_qkv(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, page, slot, k_scale, v_scale, num_heads)
+    inv = jnp.stack([1.0 / jnp.asarray(k_scale, jnp.float32).reshape(()),
+                     1.0 / jnp.asarray(v_scale, jnp.float32).reshape(())])
+    return _qkv_rope_write(qkv, cos.astype(jnp.float32), sin.astype(jnp.float32), q_norm, k_norm, k_pages, v_pages,
+                           page, slot, inv, num_heads=num_heads, q_eps=float(q_eps), k_eps=float(k_eps),
+                           num_warps=num_warps, interpret=resolve_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "q_eps", "k_eps"))
+def qkv_rope_write_reference(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, page, slot, k_scale, v_scale, *,
+                             num_heads: int, q_eps: float, k_eps: float):
+    """Pure-jnp twin: the model's ops (split, `rms_norm`, `apply_rope` per part) and `kv_write_reference`."""
+    from fp8rl_jax.models.attention import apply_rope  # the models import this module
+    from fp8rl_jax.models.policy import rms_norm
+
+    _check_qkv(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, page, slot, k_scale, v_scale, num_heads)
+    B = qkv.shape[0]
+    K, H = k_pages.shape[2:]
+    q, k, v = jnp.split(qkv, [num_heads * H, (num_heads + K) * H], axis=-1)
+    cs, sn = cos[:, None, :], sin[:, None, :]
+    q = apply_rope(rms_norm(q.reshape(B, 1, num_heads, H), q_norm, q_eps), cs, sn)[:, 0]
+    k = apply_rope(rms_norm(k.reshape(B, 1, K, H), k_norm, k_eps), cs, sn)[:, 0]
+    k_pages, v_pages = kv_write_reference(k, v.reshape(B, K, H), k_pages, v_pages, page, slot, k_scale, v_scale)
+    return q, k_pages, v_pages
+
+
+def main(argv: list[str] | None = None) -> int:
+    """GPU time of `qkv_rope_write` against the ops it replaces (the model's norms and RoPE as XLA fuses them,
+    then the `kv_write` kernel), at Qwen3-8B's attention shape: ``python -m pallas_kernels.kv_write --rows 64 256
+    --out r.json``. Each timed program chains ``--sets`` calls on distinct inputs through donated pools (the
+    engine's in-place write), run once under the profiler; GPU time is the sum of its kernels per call. Bytes
+    moved: the q/k/v row read, q written, k and v written to the pools. Off the GPU the kernels run in interpret
+    mode and no GPU time is recorded (NaN): a smoke test of the script."""
+    import argparse
+    import tempfile
+
+    from fp8rl_jax.models.attention import rope_cos_sin
+    from pallas_kernels.common import trace_kernels, write_results
+
+    p = argparse.ArgumentParser(description="time the fused q/k/v epilogue + KV write against the composition")
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("N", "K", "H"))
+    p.add_argument("--pools", nargs="+", default=["float8_e4m3fn", "bfloat16"])
+    p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--sets", type=int, default=6)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    n, k, h = args.heads
+    eps = 1e-6
+    rows_out = []
+
+    def composition(qkv, qn, kn, cos, sin, kp, vp, page, slot, ks, vs):
+        from fp8rl_jax.models.attention import apply_rope
+        from fp8rl_jax.models.policy import rms_norm
+
+        b = qkv.shape[0]
+        q, kk, v = jnp.split(qkv, [n * h, (n + k) * h], axis=-1)
+        q = apply_rope(rms_norm(q.reshape(b, 1, n, h), qn, eps), cos[:, None], sin[:, None])[:, 0]
+        kk = apply_rope(rms_norm(kk.reshape(b, 1, k, h), kn, eps), cos[:, None], sin[:, None])[:, 0]
+        kp, vp = kv_write(kk, v.reshape(b, k, h), kp, vp, page, slot, ks, vs)
+        return q, kp, vp
+
+    for pool_name, b in ((pn, b) for pn in args.pools for b in args.rows):
+        pool_dtype = jnp.dtype(pool_name)
+        num_pages, ps = 4 * b, 16
+        key = jax.random.key(b)
+        sets = []
+        for i in range(args.sets):
+            kq, kpos, key = jax.random.split(key, 3)
+            qkv = (jax.random.normal(kq, (b, (n + 2 * k) * h), jnp.float32) * 4).astype(jnp.bfloat16)
+            pos = jax.random.randint(kpos, (b, 1), 0, 4096)
+            cos, sin = rope_cos_sin(pos, h, 1e6)
+            page = (jnp.arange(b, dtype=jnp.int32) * 4 + i % 4) % num_pages
+            sets.append((qkv, cos[:, 0], sin[:, 0], page, jnp.full((b,), i % ps, jnp.int32)))
+        qn = jnp.ones((h,), jnp.bfloat16)
+        kn = jnp.ones((h,), jnp.bfloat16)
+        ks, vs = jnp.float32(0.05), jnp.float32(0.02)
+        moved = b * ((n + 2 * k) * h * 2 + n * h * 2 + 2 * k * h * pool_dtype.itemsize)
+        impls = [("composition", None, composition)]
+        impls += [("kernel", w, functools.partial(
+            lambda qkv, qn, kn, cos, sin, kp, vp, page, slot, ks, vs, w: qkv_rope_write(
+                qkv, qn, kn, cos, sin, kp, vp, page, slot, ks, vs, num_heads=n, q_eps=eps, k_eps=eps, num_warps=w),
+            w=w)) for w in args.warps]
+        for name, warps, fn in impls:
+            def run(pools, sets, fn=fn):
+                kp, vp = pools
+                qs = []
+                for qkv, cos, sin, page, slot in sets:
+                    q, kp, vp = fn(qkv, qn, kn, cos, sin, kp, vp, page, slot, ks, vs)
+                    qs.append(q)
+                return qs, (kp, vp)
+
+            step = jax.jit(run, donate_argnums=0)
+            pools = (jnp.zeros((num_pages, ps, k, h), pool_dtype), jnp.zeros((num_pages, ps, k, h), pool_dtype))
+            _, pools = jax.block_until_ready(step(pools, sets))
+            with tempfile.TemporaryDirectory() as d:
+                jax.profiler.start_trace(d)
+                _, pools = jax.block_until_ready(step(pools, sets))
+                jax.profiler.stop_trace()
+                by_name, _, _ = trace_kernels(d)
+            us = sum(by_name.values()) / len(sets) or float("nan")  # no GPU kernels off the GPU
+            rows_out.append({"pool": pool_name, "rows": b, "heads": [n, k, h], "impl": name, "num_warps": warps,
+                             "gpu_us": us, "gbps": moved / us / 1e3,
+                             "kernels": {kk_[:80]: round(v / len(sets), 3)
+                                         for kk_, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]}})
+            print(f"{pool_name:14s} B={b:4d} {name:11s} warps={warps} {us:8.2f} us {moved / us / 1e3:7.0f} GB/s "
+                  f"{list(rows_out[-1]['kernels'])[:3]}", flush=True)
+    if args.out:
+        write_results(args.out, rows_out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -63,9 +63,11 @@ by ``pages_per_block`` columns so a block's page-id slice never runs past it.
 
 Deviations / limits: with S > 1 every program writes a float32 partial ``[G, H]`` and lse
 (empty splits too; only the G real rows of the padded group, when G is a power of two, else all
-Gp), combined by XLA: ``S * B * K * G * H * 4`` bytes written and read again, ~2% of the FP8 KV
-bytes at W1's decode shapes (S = 3; writing all Gp = 16 rows for G = 4 made it ~9%); with S = 1
-the kernel writes the output directly. The tensor-core work is padded too (M = 16 for
+Gp), combined by a second kernel (`_combine`, one program per row; its twin `_combine_reference` is the
+XLA ops it replaced, which ran as two fusions, 5.1 + 1.6 us a layer at 256 rows on the H200, session 22):
+``S * B * K * G * H * 4`` bytes written and read again, ~2% of the FP8 KV bytes at W1's decode shapes
+(S = 3; writing all Gp = 16 rows for G = 4 made it ~9%); with S = 1 the kernel writes the output
+directly. The tensor-core work is padded too (M = 16 for
 G = 4), harmless while decode is bandwidth-bound. A Mosaic GPU version would add TMA page
 loads (one descriptor copy per page, by page id) into a multi-stage shared-memory ring so the
 next pages stream while the current block computes, wgmma with M = 64 filled by the GQA group
@@ -512,14 +514,58 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     )(lengths.astype(jnp.int32), pt, scales, qg, k_pages, v_pages)
     if S == 1:
         out = res
+    elif _pow2(K * go * H):  # one kernel (two XLA fusions before: 5.1 + 1.6 us a layer at 256 rows on the H200)
+        out = _combine(*res, q.dtype, interpret)
     else:
-        o, lse = res
-        w = jnp.exp(lse - jnp.max(lse, axis=0, keepdims=True))  # [S, B, K, go]
-        num, den = o[0] * w[0][..., None], w[0]
-        for i in range(1, S):  # a fixed elementwise order (no reduction whose order depends on B)
-            num, den = num + o[i] * w[i][..., None], den + w[i]
-        out = num / jnp.maximum(den, 1e-30)[..., None]
+        out = _combine_reference(*res, q.dtype)
     return out[:, :, :G].reshape(B, N, H).astype(q.dtype)
+
+
+def _combine_reference(o, lse, dtype):
+    """The splits' partials ``o [S, B, K, go, H]``, ``lse [S, B, K, go]`` (float32) combined: weights
+    ``exp(lse_s - max_s lse)``, summed in split order (a fixed elementwise order: no reduction whose order depends
+    on B), divided last; ``[B, K, go, H]`` in ``dtype``."""
+    S = o.shape[0]
+    w = jnp.exp(lse - jnp.max(lse, axis=0, keepdims=True))  # [S, B, K, go]
+    num, den = o[0] * w[0][..., None], w[0]
+    for i in range(1, S):
+        num, den = num + o[i] * w[i][..., None], den + w[i]
+    return (num / jnp.maximum(den, 1e-30)[..., None]).astype(dtype)
+
+
+def _combine_kernel(o_ref, lse_ref, out_ref, *, splits: int):
+    """One row b: `_combine_reference`'s ops in its order, over the ``[K * go, H]`` tile of every split (the refs
+    hold whole arrays; ``S`` need not be a power of two, so each split is its own load)."""
+    b = pl.program_id(0)
+    _, _, kk, go, h = o_ref.shape
+    n = kk * go
+    r = jnp.arange(n, dtype=jnp.int32)
+    rk, rg = r // go, r % go
+    rk2, rg2 = (jnp.broadcast_to(x[:, None], (n, h)) for x in (rk, rg))
+    d2 = jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32)[None, :], (n, h))
+    lses = [plgpu.load(lse_ref.at[i, b, rk, rg]) for i in range(splits)]
+    m = lses[0]
+    for x in lses[1:]:
+        m = jnp.maximum(m, x)
+    ws = [jnp.exp(x - m) for x in lses]
+    num, den = plgpu.load(o_ref.at[0, b, rk2, rg2, d2]) * ws[0][:, None], ws[0]
+    for i in range(1, splits):
+        num = num + plgpu.load(o_ref.at[i, b, rk2, rg2, d2]) * ws[i][:, None]
+        den = den + ws[i]
+    plgpu.store(out_ref.at[b, rk2, rg2, d2], (num / jnp.maximum(den, 1e-30)[:, None]).astype(out_ref.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+def _combine(o, lse, dtype, interpret: bool):
+    S, B, K, go, H = o.shape
+    whole = lambda *shape: pl.BlockSpec(shape, lambda b: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, splits=S), grid=(B,),
+        in_specs=[whole(S, B, K, go, H), whole(S, B, K, go)], out_specs=whole(B, K, go, H),
+        out_shape=jax.ShapeDtypeStruct((B, K, go, H), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="paged_attention_combine",
+    )(o, lse)
 
 
 def kv_heads_per_program(config: PagedAttentionConfig, num_kv_heads: int) -> int:
@@ -801,6 +847,10 @@ def main(argv: list[str] | None = None) -> int:
                              "default: each config's own)")
     parser.add_argument("--kv-heads", type=int, nargs="*", default=None,
                         help="also time every config with these kv_heads_per_program")
+    parser.add_argument("--pages-per-split", type=int, nargs="*", default=None,
+                        help="time each config at each of these pages_per_split (1048576: no split)")
+    parser.add_argument("--equal", action="store_true",
+                        help="every row at the full context (W1's shape) instead of ragged in [context/2, context]")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="after this many seconds, time the default config only (keeps a device run bounded)")
     args = parser.parse_args(argv)
@@ -825,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         for context in args.context:
             for dtype_name in args.dtypes:
                 q, kp_nhd, vp_nhd, ks, vs, table, lengths = bench_inputs(batch, context, jnp.dtype(dtype_name),
-                                                                        ragged=True)
+                                                                        ragged=not args.equal)
                 nbytes = bytes_moved(q, kp_nhd, kp_nhd.shape[1], np.asarray(lengths), kp_nhd.shape[2],
                                      kp_nhd.shape[3])
                 ref = paged_attention_reference(q, kp_nhd, vp_nhd, ks, vs, table, lengths).astype(jnp.float32)
@@ -835,6 +885,9 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         kp, vp = kp_nhd, vp_nhd
                     shape_configs = variants((default_config(jnp.dtype(dtype_name)),)) if args.table_only else configs
+                    if args.pages_per_split:
+                        shape_configs = tuple(dict.fromkeys(dataclasses.replace(c, pages_per_split=n)
+                                                            for c in shape_configs for n in args.pages_per_split))
                     if jnp.dtype(dtype_name) == _FP8 and not (args.fp8_focus or args.table_only):
                         shape_configs = tuple(dict.fromkeys(dataclasses.replace(c, fp8_dot_dtype=d)
                                                             for c in shape_configs for d in args.fp8_dot_dtypes))

@@ -381,3 +381,104 @@ def test_generator_model_equals_the_composition(monkeypatch):
     monkeypatch.setattr(aq, "quantize_1x128", _composition_quantize)
     want = logits(_Composition("bfloat16", kernels=Kernels.PALLAS))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# --- residual add + RMSNorm without the quantization (the BF16 linears' input) ---
+
+class TestBf16NormInterpret:
+    """`add_rms_norm`: the residual stream exact, the norm bit for bit the composition's on the CPU (rows of up to
+    1024; wider ones XLA:CPU sums in another order, checked as on the GPU)."""
+
+    INTERPRET = True
+
+    @pytest.mark.parametrize("m,d,residual,scales_t", NORM_CASES, ids=str)
+    def test_matches_the_composition(self, m, d, residual, scales_t):
+        del scales_t
+        x, r, w = _norm_inputs(m, d, seed=m + d + 7, residual=residual)
+        got = aq.add_rms_norm(x, w, 1e-6, residual=r, interpret=self.INTERPRET)
+        ref = aq.add_rms_norm_reference(x, w, 1e-6, residual=r)
+        assert len(got) == (2 if residual else 1) == len(ref)
+        for g, e in zip(got, ref, strict=True):
+            assert g.dtype == jnp.bfloat16 and g.shape == (m, d)
+        if residual:
+            np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(ref[0], np.float32))
+        self.check(got[-1], ref[-1], _norm64(x, r, w, 1e-6), exact=d <= 1024)
+
+    def check(self, y, yr, y64, exact):
+        if exact:
+            return np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(yr, np.float32))
+        _close_bf16(y, yr, y64)
+
+
+def _close_bf16(y, yr, y64):
+    """Another rsqrt and sum order: at most 1% of the elements one bf16 step off, and no less accurate against
+    float64 than the composition."""
+    a, b = np.asarray(y, np.float64), np.asarray(yr, np.float64)
+    diff = a != b
+    assert np.mean(diff) <= 0.01, np.mean(diff)
+    step = np.maximum(np.maximum(np.abs(a), np.abs(b)) * 2.0 ** -7, 2.0 ** -133)
+    assert np.all(np.abs(a - b)[diff] <= step[diff])
+    assert np.mean(np.abs(a - y64)) <= 1.02 * np.mean(np.abs(b - y64))
+
+
+@pytest.mark.gpu
+class TestBf16NormGpu(TestBf16NormInterpret):
+    INTERPRET = False
+
+    def check(self, y, yr, y64, exact):
+        _close_bf16(y, yr, y64)
+
+
+def test_bf16_norm_validation_and_lowering():
+    x = jnp.zeros((4, 256), jnp.bfloat16)
+    w = jnp.ones((256,), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        aq.add_rms_norm(x.astype(jnp.float32), w, 1e-6)
+    with pytest.raises(ValueError, match="power of two"):
+        aq.add_rms_norm(jnp.zeros((4, 384), jnp.bfloat16), jnp.ones((384,), jnp.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="residual shape"):
+        aq.add_rms_norm(x, w, 1e-6, residual=x[:2])
+    s = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
+    with triton_ir_for_h200():
+        for res in (s, None):
+            text = aq._plain_norm_call.trace(s, res, jax.ShapeDtypeStruct((4096,), jnp.bfloat16), 1e-6,
+                                             aq.DEFAULT_NORM_CONFIG, False).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text
+
+
+def test_dense_policy_norm_dot_runs_the_kernel_and_equals_the_composition(monkeypatch):
+    """DensePolicy(norm_kernels=PALLAS).norm_dot == the composition bit for bit (bf16, with and without a residual)
+    through add_rms_norm; float32, a width the kernel does not take, and the default policy (the trainer's) take the
+    composition; and the generator's BF16 layout gives the default policy's logits bit for bit."""
+    calls = _counting(monkeypatch, "add_rms_norm")
+    site = Site(0, Proj.Q)
+    on, off = DensePolicy("bfloat16", norm_kernels=Kernels.PALLAS), DensePolicy("bfloat16")
+    for d, expect in ((256, True), (384, False)):
+        x, r, wn = _norm_inputs(6, d, seed=d + 3, residual=True)
+        x, r = x.reshape(2, 3, d), r.reshape(2, 3, d)
+        w = (jax.random.normal(jax.random.key(d), (128, d), jnp.float32) * 0.05).astype(jnp.bfloat16)
+        for res in (r, None):
+            calls.clear()
+            got, want = on.norm_dot(x, wn, 1e-6, w, site, res), off.norm_dot(x, wn, 1e-6, w, site, res)
+            assert bool(calls) == expect
+            for g, e in zip(got, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+    calls.clear()
+    x, r, wn = _norm_inputs(4, 256, seed=5, residual=True)
+    f32 = DensePolicy("float32", norm_kernels=Kernels.PALLAS)
+    f32.norm_dot(x.astype(jnp.float32), wn, 1e-6, jnp.ones((8, 256), jnp.float32), site, r.astype(jnp.float32))
+    off.norm_dot(x, wn, 1e-6, jnp.ones((8, 256), jnp.bfloat16), site, r)
+    assert not calls
+
+    config = dataclasses.replace(tiny_qwen3, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                                 intermediate_size=384, num_layers=2)
+    params = fuse_params(init_params(config, jax.random.key(4), jnp.bfloat16))
+    tokens = jax.random.randint(jax.random.key(5), (2, 7), 0, config.vocab_size)
+
+    def logits(policy):
+        fn = jax.jit(lambda p, t: forward(p, t, config=config, policy=policy)[0])
+        return fn.lower(params, tokens).compile(compiler_options={"xla_allow_excess_precision": False})(params, tokens)
+
+    got = logits(on)
+    assert len(calls) == 4  # two layers, two norms each
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(logits(off)))

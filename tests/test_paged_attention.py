@@ -470,3 +470,36 @@ def test_engine_decode_with_kernel_gpu():
         out[kern] = engine.generate(prompts, sampling)
     assert out[Kernels.PALLAS].token_lists() == out[Kernels.REFERENCE].token_lists()
     np.testing.assert_allclose(out[Kernels.PALLAS].logprobs, out[Kernels.REFERENCE].logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_split_combine_kernel_is_the_reference(interpret):
+    """The splits' combine kernel == `_combine_reference` (the XLA ops it replaced): bit for bit in interpret mode,
+    within float32 rounding on the GPU (its exp is not XLA's); a row whose last split is empty (lse = float32 min,
+    o = 0) weighs it 0; bf16 and float32 outputs; three splits (not a power of two)."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    for S, B, K, go, H, dt in ((3, 5, 2, 4, 16, jnp.bfloat16), (2, 6, 8, 4, 128, jnp.bfloat16),
+                               (3, 3, 2, 2, 32, F32)):
+        o = jnp.asarray(rng.standard_normal((S, B, K, go, H)), F32)
+        lse = jnp.asarray(rng.standard_normal((S, B, K, go)) * 3, F32)
+        lse, o = lse.at[-1, 0].set(float(np.finfo(np.float32).min)), o.at[-1, 0].set(0)
+        got = np.asarray(pa._combine(o, lse, jnp.dtype(dt), interpret).astype(F32))
+        want = np.asarray(jax.jit(pa._combine_reference, static_argnums=2)(o, lse, jnp.dtype(dt)).astype(F32))
+        if interpret:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2.0 ** -7 if dt == jnp.bfloat16 else 1e-6, atol=1e-6)
+        w = np.exp(np.asarray(lse, np.float64) - np.asarray(lse, np.float64).max(0))
+        ref64 = (np.asarray(o, np.float64) * w[..., None]).sum(0) / w.sum(0)[..., None]
+        np.testing.assert_allclose(got, ref64, rtol=2.0 ** -7 if dt == jnp.bfloat16 else 1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_split_combine_lowers_to_triton_for_h200():
+    from pallas_kernels.common import triton_ir_for_h200
+
+    S = jax.ShapeDtypeStruct
+    with triton_ir_for_h200() as ir:
+        text = pa._combine.trace(S((3, 256, 8, 4, 128), F32), S((3, 256, 8, 4), F32), jnp.dtype(jnp.bfloat16),
+                                 False).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and len(ir) == 1

@@ -60,6 +60,7 @@ from flax import struct
 
 import dataclasses
 import functools
+import os
 
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -261,16 +262,56 @@ class PagedKVCache:
                                out_specs=(self.heads.pool_spec, self.heads.pool_spec), check_vma=False)
         return fn(k, v, kp, vp, page, slot, self.k_scale[layer], self.v_scale[layer])
 
-    def attend(self, layer: int, q, k, v, num_new) -> tuple[jax.Array, "PagedKVCache"]:
-        B, T = q.shape[:2]
+    def _targets(self, T: int, num_new) -> tuple[jax.Array, jax.Array]:
+        """(page, slot) [B, T] of the tokens this attend writes; tokens past ``num_new`` (or past the page
+        table) get page ``num_pages``, which every write drops."""
+        B = self.lengths.shape[0]
         ps, max_pages = self.page_size, self.page_table.shape[1]
         num_new = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), (B,))
         pos = self.lengths[:, None] + jnp.arange(T)[None, :]  # [B, T]
         page_idx = pos // ps
         page = jnp.take_along_axis(self.page_table, jnp.minimum(page_idx, max_pages - 1), axis=1)
         real = (jnp.arange(T)[None, :] < num_new[:, None]) & (page_idx < max_pages)
-        page = jnp.where(real, page, self.num_pages)  # out of range: the scatter drops it
-        slot = pos % ps
+        return jnp.where(real, page, self.num_pages), pos % ps
+
+    def _with_pools(self, layer: int, kp, vp) -> "PagedKVCache":
+        return self.replace(k_pages=_replace_at(self.k_pages, layer, kp), v_pages=_replace_at(self.v_pages, layer, vp))
+
+    def _decode_attention(self, layer: int, q, kp, vp) -> jax.Array:
+        """The decode kernel over the written pools: q [B, N, H] -> [B, N, H]; keys j <= lengths[b] (the
+        new one included), as the reference's mask; scales only apply to an FP8 pool (``_load``)."""
+        one = jnp.float32(1.0)
+        ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.is_fp8 else (one, one)
+        fn = paged_kernel.paged_attention
+        if self.heads is not None:
+            fn = self.heads.per_head(fn, P(None, self.heads.axis, None), 7)
+        return fn(q, kp, vp, ks, vs, self.page_table, self.lengths + 1)
+
+    def qkv_kernel(self, T: int, num_heads: int, head_dim: int) -> bool:
+        """Whether a decode attend can take the fused q/k/v GEMM's raw output (`attend_qkv`: q/k norms, RoPE
+        and the KV write in one kernel; static). Not under tensor parallelism (head-sharded columns), nor with
+        ``FP8RL_FUSED_QKV=0`` in the environment at trace time (the separate ops, for A/B timing)."""
+        K = self.k_pages[0].shape[2]
+        return (os.environ.get("FP8RL_FUSED_QKV", "1") != "0" and self.heads is None
+                and self._decode_kernel(T, head_dim) and kv_write_kernel.supports_qkv(num_heads, K, head_dim))
+
+    def attend_qkv(self, layer: int, qkv, q_norm, k_norm, eps: tuple[float, float], cos, sin, num_new,
+                   num_heads: int) -> tuple[jax.Array, "PagedKVCache"]:
+        """A decode step's attention from the fused q/k/v GEMM's output ``qkv`` [B, 1, (N + 2K) H] (q's heads,
+        k's, v's): q and k RMS-normalized (weights ``q_norm`` / ``k_norm`` [H], epsilons ``eps``) and rotated
+        (``cos`` / ``sin`` [B, 1, H]), k and v written, in one kernel (`pallas_kernels.kv_write.qkv_rope_write`),
+        then the decode kernel. The same ops as the model's norms and RoPE followed by `attend` (tests).
+        Returns ``(out [B, 1, N, H], cache)``; only where `qkv_kernel` holds."""
+        page, slot = self._targets(1, num_new)
+        q, kp, vp = kv_write_kernel.qkv_rope_write(
+            qkv[:, 0], q_norm, k_norm, cos[:, 0], sin[:, 0], self.k_pages[layer], self.v_pages[layer], page[:, 0],
+            slot[:, 0], self.k_scale[layer], self.v_scale[layer], num_heads=num_heads, q_eps=eps[0], k_eps=eps[1])
+        return self._decode_attention(layer, q, kp, vp)[:, None], self._with_pools(layer, kp, vp)
+
+    def attend(self, layer: int, q, k, v, num_new) -> tuple[jax.Array, "PagedKVCache"]:
+        B, T = q.shape[:2]
+        ps, max_pages = self.page_size, self.page_table.shape[1]
+        page, slot = self._targets(T, num_new)
         kp, vp = self.k_pages[layer], self.v_pages[layer]
         K, H = kp.shape[2:]
         if self._decode_kernel(T, H) and kv_write_kernel.supports(K, H):
@@ -278,17 +319,9 @@ class PagedKVCache:
         else:
             kp = kp.at[page, slot].set(self._store(k, self.k_scale[layer], kp.dtype), mode="drop")
             vp = vp.at[page, slot].set(self._store(v, self.v_scale[layer], vp.dtype), mode="drop")
-        new = self.replace(k_pages=_replace_at(self.k_pages, layer, kp), v_pages=_replace_at(self.v_pages, layer, vp))
+        new = self._with_pools(layer, kp, vp)
         if self._decode_kernel(T, H):
-            # keys j <= lengths[b] (the new one included), as the reference's mask; scales only
-            # apply to an FP8 pool (``_load``)
-            one = jnp.float32(1.0)
-            ks, vs = (self.k_scale[layer], self.v_scale[layer]) if self.is_fp8 else (one, one)
-            fn = paged_kernel.paged_attention
-            if self.heads is not None:
-                fn = self.heads.per_head(fn, P(None, self.heads.axis, None), 7)
-            out = fn(q[:, 0], kp, vp, ks, vs, self.page_table, self.lengths + 1)
-            return out[:, None], new
+            return self._decode_attention(layer, q[:, 0], kp, vp)[:, None], new
         if self._prefill_kernel(T, H):
             # reads keys j < lengths[b] + num_new[b] (written above), query t seeing j <= lengths[b] + t
             one = jnp.float32(1.0)

@@ -159,17 +159,39 @@ class DensePolicy(MatmulPolicy):
     and q/k/v casts ~0.4 ms of 17.6, plus the float32 writes). The generator turns it on. Off by default:
     under ``jax.grad`` it also makes the backward GEMMs BF16 x BF16 (today the float32 cotangent meets BF16
     operands, which XLA upcasts to float32 GEMMs as far as we know: not checked in the H200's HLO yet), a
-    change to the trainer's numerics and speed that is not yet measured."""
+    change to the trainer's numerics and speed that is not yet measured.
+
+    ``norm_kernels``: the residual add and RMSNorm in front of the fused q/k/v and gate/up GEMMs (`norm_dot`) as
+    one Pallas kernel; off (``REFERENCE``) by default, the generator turns it on (``AUTO``)."""
 
     dtype: str = "bfloat16"
     ragged_kernels: Kernels = Kernels.REFERENCE
     fused_cast: bool = False
+    norm_kernels: Kernels = Kernels.REFERENCE
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"DensePolicy dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
-        if not isinstance(self.ragged_kernels, Kernels):
-            raise ValueError(f"DensePolicy.ragged_kernels must be a Kernels, got {self.ragged_kernels!r}")
+        for name in ("ragged_kernels", "norm_kernels"):
+            if not isinstance(getattr(self, name), Kernels):
+                raise ValueError(f"DensePolicy.{name} must be a Kernels, got {getattr(self, name)!r}")
+
+    def norm_dot(self, x: jax.Array, weight: jax.Array, eps: float, w: Any, site: Site,
+                 residual: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """`MatmulPolicy.norm_dot`; with ``norm_kernels`` on, bf16 rows the kernel takes, the add and the norm run
+        as one kernel (`pallas_kernels.act_quant.add_rms_norm`: the same ops, bit for bit on the CPU). Off by
+        default (no VJP): the generator turns it on."""
+        from pallas_kernels import act_quant  # kernels import the models
+
+        flat = (x.size // x.shape[-1], x.shape[-1])
+        if (not self.norm_kernels.pallas() or self.dtype != "bfloat16" or x.dtype != jnp.bfloat16
+                or not act_quant.supports_norm(flat)):
+            return super().norm_dot(x, weight, eps, w, site, residual)
+        res = None if residual is None else residual.reshape(flat)
+        out = act_quant.add_rms_norm(x.reshape(flat), weight, eps, residual=res,
+                                     interpret=jax.default_backend() != "gpu")
+        h = x if residual is None else out[0].reshape(x.shape)
+        return h, self.dot(out[-1].reshape(x.shape), w, site)
 
     @property
     def compute_dtype(self) -> Any:

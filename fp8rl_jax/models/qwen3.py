@@ -37,7 +37,7 @@ from flax import nnx
 from fp8rl_jax.models.attention import apply_rope, causal_mask, dot_attention, rope_cos_sin
 from fp8rl_jax.models.kv_cache import KVCache, PagedKVCache
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.fusion import FusedWeight, fused_dot, fused_ragged_dot, split_fused
+from fp8rl_jax.models.fusion import FusedWeight, fused_ragged_dot, split_fused
 from fp8rl_jax.models.policy import DensePolicy, MatmulPolicy, Proj, Site, matmul_precision, rms_norm
 
 _INIT_STD = 0.02  # HF's initializer_range for Qwen3
@@ -87,10 +87,9 @@ class Attention(nnx.Module):
         """Attention of the layer's normalized input ``x`` [B, T, D]: ``(out, cache)``."""
         wq = self.q_proj.weight.get_value()
         if isinstance(wq, FusedWeight):  # the generator's layout: [q; k; v] in one GEMM (fusion.py)
-            qkv = fused_dot(self.q_proj.policy, x, wq, self.q_proj.site)
-        else:
-            qkv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self._attend(*qkv, cos, sin, mask, cache, num_new)
+            return self._attend_fused(self.q_proj.policy.dot(x, wq.w, self.q_proj.site), wq, cos, sin, mask, cache,
+                                      num_new)
+        return self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, mask, cache, num_new)
 
     def norm_call(self, x, norm: RMSNorm, residual, cos, sin, mask, cache, num_new):
         """``(h, out, cache)``: the residual stream ``h = x + residual`` (``x`` when None) and the attention of
@@ -99,13 +98,24 @@ class Attention(nnx.Module):
         wq = self.q_proj.weight.get_value()
         if isinstance(wq, FusedWeight):
             h, y = self.q_proj.policy.norm_dot(x, norm.weight[...], norm.eps, wq.w, self.q_proj.site, residual)
-            qkv = split_fused(y, wq)
+            out, cache = self._attend_fused(y, wq, cos, sin, mask, cache, num_new)
         else:
             h = x if residual is None else x + residual
             xn = norm(h)
-            qkv = self.q_proj(xn), self.k_proj(xn), self.v_proj(xn)
-        out, cache = self._attend(*qkv, cos, sin, mask, cache, num_new)
+            out, cache = self._attend(self.q_proj(xn), self.k_proj(xn), self.v_proj(xn), cos, sin, mask, cache, num_new)
         return h, out, cache
+
+    def _attend_fused(self, y, wq: FusedWeight, cos, sin, mask, cache, num_new):
+        """`_attend` of the fused q/k/v GEMM's output ``y`` [B, T, (N + 2K) H]. A decode step over a paged cache
+        that allows it (`PagedKVCache.qkv_kernel`) runs the q/k norms, RoPE and the KV write as one kernel on
+        ``y`` itself; otherwise ``y`` is split and the separate ops run."""
+        B, T, _ = y.shape
+        N, K, H = self.shape
+        if isinstance(cache, PagedKVCache) and cache.qkv_kernel(T, N, H):
+            out, cache = cache.attend_qkv(self.layer, y, self.q_norm.weight[...], self.k_norm.weight[...],
+                                          (self.q_norm.eps, self.k_norm.eps), cos, sin, num_new, N)
+            return self.o_proj(out.reshape(B, T, N * H)), cache
+        return self._attend(*split_fused(y, wq), cos, sin, mask, cache, num_new)
 
     def _attend(self, q, k, v, cos, sin, mask, cache, num_new):
         B, T, _ = q.shape

@@ -264,10 +264,10 @@ class JaxEngine:
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
         fp8 = config.precision.fp8_weights
         block = tuple(config.fp8_block)
-        # BF16 MoE experts through the Pallas grouped GEMM on one device (no VJP needed here; XLA
-        # cannot partition the kernel, so a sharded engine keeps ragged_dot)
-        dense = DensePolicy(config.dtype, ragged_kernels=Kernels.AUTO if mesh is None else Kernels.REFERENCE,
-                            fused_cast=config.fused_cast)
+        # BF16 MoE experts through the Pallas grouped GEMM and the norms through the add + RMSNorm kernel, on one
+        # device (no VJP needed here; XLA cannot partition the kernels, so a sharded engine keeps the jnp ops)
+        one = Kernels.AUTO if mesh is None else Kernels.REFERENCE
+        dense = DensePolicy(config.dtype, ragged_kernels=one, fused_cast=config.fused_cast, norm_kernels=one)
         self.policy = (W8A8Policy(config.dtype, group_size=block[1], gemm=config.fp8_gemm,
                                   fused_cast=config.fused_cast) if fp8 else dense)
         self.fused = config.fuse_projections if config.fuse_projections is not None else mesh is None
