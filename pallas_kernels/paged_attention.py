@@ -533,39 +533,35 @@ def _combine_reference(o, lse, dtype):
     return (num / jnp.maximum(den, 1e-30)[..., None]).astype(dtype)
 
 
-def _combine_kernel(o_ref, lse_ref, out_ref, *, splits: int):
-    """One row b: `_combine_reference`'s ops in its order, over the ``[K * go, H]`` tile of every split (the refs
-    hold whole arrays; ``S`` need not be a power of two, so each split is its own load)."""
-    b = pl.program_id(0)
-    _, _, kk, go, h = o_ref.shape
-    n = kk * go
-    r = jnp.arange(n, dtype=jnp.int32)
-    rk, rg = r // go, r % go
-    rk2, rg2 = (jnp.broadcast_to(x[:, None], (n, h)) for x in (rk, rg))
-    d2 = jnp.broadcast_to(jnp.arange(h, dtype=jnp.int32)[None, :], (n, h))
-    lses = [plgpu.load(lse_ref.at[i, b, rk, rg]) for i in range(splits)]
+def _combine_kernel(o_ref, lse_ref, out_ref, *, splits: int, rows: int):
+    """One row b: `_combine_reference`'s ops in its order. ``o_ref [S, W]`` (``W = K * go * H``, contiguous per
+    split), ``lse_ref [S, K * go]``, ``out_ref [W]``: each split's partial is one contiguous vector load."""
+    w_ = o_ref.shape[-1]
+    h = w_ // rows
+    lses = [lse_ref[i, :] for i in range(splits)]
     m = lses[0]
     for x in lses[1:]:
         m = jnp.maximum(m, x)
     ws = [jnp.exp(x - m) for x in lses]
-    num, den = plgpu.load(o_ref.at[0, b, rk2, rg2, d2]) * ws[0][:, None], ws[0]
+    num, den = o_ref[0, :].reshape(rows, h) * ws[0][:, None], ws[0]
     for i in range(1, splits):
-        num = num + plgpu.load(o_ref.at[i, b, rk2, rg2, d2]) * ws[i][:, None]
+        num = num + o_ref[i, :].reshape(rows, h) * ws[i][:, None]
         den = den + ws[i]
-    plgpu.store(out_ref.at[b, rk2, rg2, d2], (num / jnp.maximum(den, 1e-30)[:, None]).astype(out_ref.dtype))
+    out_ref[...] = (num / jnp.maximum(den, 1e-30)[:, None]).reshape(w_).astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
 def _combine(o, lse, dtype, interpret: bool):
     S, B, K, go, H = o.shape
-    whole = lambda *shape: pl.BlockSpec(shape, lambda b: (0,) * len(shape))  # noqa: E731
+    n, w_ = K * go, K * go * H
     return pl.pallas_call(
-        functools.partial(_combine_kernel, splits=S), grid=(B,),
-        in_specs=[whole(S, B, K, go, H), whole(S, B, K, go)], out_specs=whole(B, K, go, H),
-        out_shape=jax.ShapeDtypeStruct((B, K, go, H), dtype),
+        functools.partial(_combine_kernel, splits=S, rows=n), grid=(B,),
+        in_specs=[pl.BlockSpec((S, None, w_), lambda b: (0, b, 0)), pl.BlockSpec((S, None, n), lambda b: (0, b, 0))],
+        out_specs=pl.BlockSpec((None, w_), lambda b: (b, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, w_), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="paged_attention_combine",
-    )(o, lse)
+    )(o.reshape(S, B, w_), lse.reshape(S, B, n)).reshape(B, K, go, H)
 
 
 def kv_heads_per_program(config: PagedAttentionConfig, num_kv_heads: int) -> int:
