@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -164,16 +167,65 @@ HF_CASES = {
 }
 
 
+# transformers' own greedy generate of these HF_CASES models (tests/test_engine.py compares the engine
+# with it): prompts of these lengths drawn by ``hf_greedy_prompts``, this many new tokens, EOS ignored
+HF_GREEDY_MODELS = ("dense", "moe_sharded")
+HF_GREEDY_LENGTHS = (5, 11, 2)
+HF_GREEDY_NEW_TOKENS = 8
+
+
+def hf_greedy_prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(2, vocab, n).tolist() for n in HF_GREEDY_LENGTHS]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build_hf_models(root: Path) -> None:
+    """The HF_CASES checkpoints, their tokens and logits, and the greedy continuations of
+    HF_GREEDY_MODELS, in one reference process (torch and transformers load once)."""
+    rng = np.random.default_rng(1234)
+    jobs = []
+    for name, case in HF_CASES.items():
+        tokens = rng.integers(0, case["hf"]["vocab_size"], (3, 12)).astype(np.int32)
+        jobs.append(hf_build_job(root / name, case["hf"], seed=case["seed"], dtype=case["dtype"],
+                                 max_shard_size=case["shard"], tokens=tokens))
+    for name in HF_GREEDY_MODELS:
+        prompts = root / f"{name}.greedy_prompts.json"
+        prompts.write_text(json.dumps(hf_greedy_prompts(HF_CASES[name]["hf"]["vocab_size"])))
+        jobs.append(["greedy", "--model", root / name, "--prompts", prompts, "--max-new-tokens",
+                     HF_GREEDY_NEW_TOKENS, "--out", root / f"{name}.greedy.json"])
+    hf_reference(*jobs, workdir=root)
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
-    """name -> (folder, tokens [3, 12] int32, HF float32 logits); built once per session, all in
-    one reference process."""
-    root = tmp_path_factory.mktemp("hf")
-    rng = np.random.default_rng(1234)
-    tokens, jobs = {}, []
-    for name, case in HF_CASES.items():
-        tokens[name] = rng.integers(0, case["hf"]["vocab_size"], (3, 12)).astype(np.int32)
-        jobs.append(hf_build_job(root / name, case["hf"], seed=case["seed"], dtype=case["dtype"],
-                                 max_shard_size=case["shard"], tokens=tokens[name]))
-    hf_reference(*jobs, workdir=root)
-    return {name: (root / name, tokens[name], hf_logits(root / name)) for name in HF_CASES}
+    """name -> (folder, tokens [3, 12] int32, HF float32 logits); built once per test run, all in
+    one reference process. Under pytest-xdist the first worker that needs them builds them in the
+    run's shared temporary folder and the others reuse them (the build is deterministic)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / "hf_models"
+    with _file_lock(shared / "hf_models.lock"):
+        if not (root / "complete").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+            _build_hf_models(root)
+            (root / "complete").write_text("ok\n")
+    return {name: (root / name, np.load(root / f"{name}.tokens.npy"), hf_logits(root / name)) for name in HF_CASES}
+
+
+def hf_greedy(hf_models: dict, name: str) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, transformers' greedy continuations) of HF_GREEDY_MODELS ``name``, computed with the
+    ``hf_models`` build."""
+    root = hf_models[name][0].parent
+    return (json.loads((root / f"{name}.greedy_prompts.json").read_text()),
+            json.loads((root / f"{name}.greedy.json").read_text()))

@@ -32,7 +32,8 @@ def test_score_writes_float32_logits(model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = np.load(tmp_path / "out.npy")
     assert out.dtype == np.float32 and out.shape == (5, 9, tiny_qwen3.vocab_size)
-    ref = np.asarray(forward(params, tokens, config=tiny_qwen3, policy=DensePolicy("float32"))[0])
+    ref = np.asarray(jax.jit(lambda p, t: forward(p, t, config=tiny_qwen3, policy=DensePolicy("float32"))[0])(
+        params, tokens))
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -91,8 +92,10 @@ def test_generate_contract(model_dir, tmp_path, capsys):
     assert [len(t) for t in out["tokens"]] == [6, 6, 6] and [len(lp) for lp in out["logprobs"]] == [6, 6, 6]
     sampling = [SamplingConfig(temperature=0.9, top_p=0.95, top_k=50, max_tokens=6, ignore_eos=True, seed=3 + i)
                 for i in range(3)]
-    ref = JaxEngine(tiny_qwen3, params, EngineConfig(max_slots=3, dtype="float32", max_seq_len=64)).generate(
-        prompts, sampling)
+    # the engine as `fp8rl generate` sizes it (slots, pages, lengths): the CLI's compiled programs, from the
+    # compilation cache the child filled, and a pool of 5 pages (the default 1 GiB pool: seconds per decode call)
+    ref = JaxEngine(tiny_qwen3, params, EngineConfig(max_slots=3, page_size=16, num_pages=5, max_seq_len=12,
+                                                     steps_per_call=8, dtype="float32")).generate(prompts, sampling)
     assert out["tokens"] == ref.token_lists()
     np.testing.assert_allclose(out["logprobs"], ref.logprob_lists(), atol=1e-5)
     for mode in ("w8a8", "kv", "all"):  # the other precisions, in this process (no interpreter start each)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import hf_reference
+from conftest import HF_GREEDY_LENGTHS, HF_GREEDY_MODELS, HF_GREEDY_NEW_TOKENS, hf_greedy
 
 from configs.models import tiny_qwen3, tiny_qwen3_moe
 from fp8rl_jax.checkpoint import load_checkpoint
@@ -64,42 +63,28 @@ def test_greedy_equals_full_scoring_argmax(cfg):
         np.testing.assert_allclose(batch.logprob_lists()[i], lps, atol=1e-4)
 
 
-HF_GREEDY_MODELS = ["dense", "moe_sharded"]
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(hf_models, tmp_path_factory):
-    """name -> (prompts, transformers' greedy continuations), both models in one reference process."""
-    root = tmp_path_factory.mktemp("hf_greedy")
-    prompts, jobs = {}, []
-    for name in HF_GREEDY_MODELS:
-        folder, _, _ = hf_models[name]
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        prompts[name] = _prompts(np.random.default_rng(1), vocab, [5, 11, 2])
-        (root / f"{name}.prompts.json").write_text(json.dumps(prompts[name]))
-        jobs.append(["greedy", "--model", folder, "--prompts", root / f"{name}.prompts.json", "--max-new-tokens", "8",
-                     "--out", root / f"{name}.out.json"])
-    hf_reference(*jobs, workdir=root)
-    return {name: (prompts[name], json.loads((root / f"{name}.out.json").read_text())) for name in HF_GREEDY_MODELS}
-
-
 @pytest.mark.parametrize("name", HF_GREEDY_MODELS)
-def test_greedy_equals_transformers_generate(hf_models, hf_greedy, name):
+def test_greedy_equals_transformers_generate(hf_models, name):
+    # transformers' greedy continuations come from the reference process that built hf_models
     folder, _, _ = hf_models[name]
     ckpt = load_checkpoint(folder, dtype=jnp.float32)
-    prompts, hf = hf_greedy[name]
-    assert prompts == _prompts(np.random.default_rng(1), ckpt.config.vocab_size, [5, 11, 2])
+    prompts, hf = hf_greedy(hf_models, name)
+    assert prompts == _prompts(np.random.default_rng(1), ckpt.config.vocab_size, list(HF_GREEDY_LENGTHS))
     cfg = dataclasses.replace(F32, max_seq_len=ckpt.config.max_position_embeddings)
-    ours = JaxEngine(ckpt.config, ckpt.params, cfg).generate(prompts, dataclasses.replace(GREEDY, max_tokens=8))
+    ours = JaxEngine(ckpt.config, ckpt.params, cfg).generate(
+        prompts, dataclasses.replace(GREEDY, max_tokens=HF_GREEDY_NEW_TOKENS))
     assert ours.token_lists() == hf
 
 
 _SAMPLED = SamplingConfig(temperature=1.0, top_p=0.9, top_k=20, max_tokens=7, ignore_eos=True, seed=5)
 
 
-@pytest.mark.parametrize("sampling,draw", [(GREEDY, Draw.GUMBEL), (_SAMPLED, Draw.GUMBEL), (_SAMPLED, Draw.INVERSE_CDF)],
+# A greedy row takes the argmax whatever the draw (Draw applies to rows with T > 0): the greedy case runs
+# the default draw, whose F32 programs the other greedy tests of this file compile too.
+@pytest.mark.parametrize("sampling,draw,all_configs", [(GREEDY, Draw.INVERSE_CDF, True), (_SAMPLED, Draw.GUMBEL, True),
+                                                       (_SAMPLED, Draw.INVERSE_CDF, False)],
                          ids=["greedy", "sampled", "sampled-inverse-cdf"])
-def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw):
+def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw, all_configs):
     cfg, rng = tiny_qwen3, np.random.default_rng(2)
     params = init_params(cfg, jax.random.key(1), jnp.float32)
     prompts = _prompts(rng, cfg.vocab_size, [4, 10, 6, 2])
@@ -107,8 +92,8 @@ def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw):
     runs = []
     configs = [F32, dataclasses.replace(F32, max_slots=1, page_size=8, steps_per_call=1),
                dataclasses.replace(F32, max_slots=4, page_size=2, steps_per_call=5, prefill_batch=4)]
-    # the inverse-CDF draw shares the engine with Gumbel's: two configs show it reaches both programs
-    for ec in configs if draw is Draw.GUMBEL else configs[::2]:
+    # the sampled inverse-CDF draw shares the engine with Gumbel's: two configs show it reaches both programs
+    for ec in configs if all_configs else configs[::2]:
         runs.append(JaxEngine(cfg, params, dataclasses.replace(ec, sampling_draw=draw)).generate(prompts, seeds))
     for other in runs[1:]:
         assert other.token_lists() == runs[0].token_lists()
@@ -211,7 +196,8 @@ def test_kv_budget_in_gib_and_fp8_weights():
     page_bytes = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4
     assert eng.num_pages == int(0.001 * 2**30 // page_bytes)
     assert eng.sequences_that_fit == eng.num_pages // 16
-    w8 = JaxEngine(cfg, params, dataclasses.replace(F32, precision=Fp8Mode.W8A8))
+    # 16 x 16 FP8 blocks: the W8A8 engine of test_engine_modes.py (its compiled programs are shared)
+    w8 = JaxEngine(cfg, params, dataclasses.replace(F32, precision=Fp8Mode.W8A8, fp8_block=(16, 16)))
     out = w8.generate([[1, 2, 3, 4]], GREEDY)
     assert out.lengths.tolist() == [7] and np.all(out.logprobs[0] <= 0)
 
@@ -253,10 +239,11 @@ def test_kv_budget_as_a_fraction_of_free_device_memory(monkeypatch):
         def memory_stats(self):
             return self.stats
 
-    monkeypatch.setattr(JaxEngine, "_memory_devices", lambda self: [Dev(2**22, 2**20), Dev(2**22, 2**21)])
+    # the fuller device leaves 2**18 bytes: half of it is F32's 64 pages (the shapes, so the programs, of F32)
+    monkeypatch.setattr(JaxEngine, "_memory_devices", lambda self: [Dev(2**22, 2**20), Dev(2**22, 2**22 - 2**18)])
     eng = JaxEngine(cfg, params, frac)
     page_bytes = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4
-    assert eng.num_pages == int(0.5 * (2**22 - 2**21) // page_bytes)  # the fuller device sets the budget
+    assert eng.num_pages == int(0.5 * (2**22 - (2**22 - 2**18)) // page_bytes) == F32.num_pages  # the fuller device sets it
     assert eng.generate([[1, 2, 3]], GREEDY).lengths.tolist() == [7]
     with pytest.raises(ValueError, match="kv_budget_fraction must be in"):
         dataclasses.replace(F32, kv_budget_fraction=1.5)
@@ -312,8 +299,8 @@ def test_kv_scales_follow_every_weight_update():
     lengths = np.array([len(p) for p in prompts])
     paged = PagedKVCache.init(cfg.num_layers, 3 * 4, 4, cfg.num_kv_heads, cfg.head_dim, 3, 4, jnp.float32).replace(
         page_table=jnp.arange(12, dtype=jnp.int32).reshape(3, 4))
-    _, paged = forward(doubled, tokens, config=cfg, policy=DensePolicy("float32"), cache=paged,
-                       num_new=jnp.asarray(lengths))
+    _, paged = jax.jit(lambda p, t, c, n: forward(p, t, config=cfg, policy=DensePolicy("float32"), cache=c,
+                                                  num_new=n))(doubled, tokens, paged, jnp.asarray(lengths))
     for layer in range(cfg.num_layers):
         k = np.asarray(paged.k_pages[layer]).reshape(3, T, -1)
         valid = np.concatenate([np.abs(k[b, : lengths[b]]).ravel() for b in range(3)])

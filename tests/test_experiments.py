@@ -21,10 +21,20 @@ def test_score_demo(tmp_path):
     assert summary["cli_vs_inprocess_rel_err"] < 1e-5 and summary["logits_shape"][0] == 3
 
 
+# The tiny engine of the bench_rollout tests: a pool of 256 pages (4096 tokens) for every mode. The
+# kv-pool test below sizes its pools to the same page count, so both tests run the same compiled
+# programs (compiling, not running, is what these tests cost on the CPU).
+TINY_PAGES = 256
+
+
+def _tiny_bench_engine(bench, **kw):
+    return dataclasses.replace(bench.BenchConfig.engine, max_slots=4, max_seq_len=32, steps_per_call=4, dtype="float32",
+                               **kw)
+
+
 def test_bench_rollout_tiny(tmp_path):
     bench = _load("bench_rollout")
-    engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, kv_budget_gib=0.001, max_seq_len=32,
-                                 steps_per_call=4, dtype="float32")
+    engine = _tiny_bench_engine(bench, num_pages=TINY_PAGES)
     out = tmp_path / "rollout.json"
     res = bench.main(bench.BenchConfig(model=tiny_qwen3_moe, workload=bench.WORKLOADS["tiny"],
                                        modes=(Fp8Mode.NONE, Fp8Mode.ALL), engine=engine, out=out, repeats=3))
@@ -54,15 +64,16 @@ def test_bench_rollout_kv_pool_like_vllm(tmp_path):
     whose engine keeps its own copy (FP8, or BF16 in the fused layout: the default on one device)
     frees the source copy, as vLLM holds no trainer copy."""
     bench = _load("bench_rollout")
-    engine = dataclasses.replace(bench.BenchConfig.engine, max_slots=4, max_seq_len=32, steps_per_call=4,
-                                 dtype="float32", num_pages=3)  # overridden
-    res = bench.main(bench.BenchConfig(model=tiny_qwen3, workload=bench.WORKLOADS["tiny"],
-                                       modes=(Fp8Mode.NONE, Fp8Mode.ALL), engine=engine,
-                                       kv_gib_like_vllm=(0.002, 0.003)))
+    engine = _tiny_bench_engine(bench, num_pages=3)  # overridden
+    model = tiny_qwen3_moe  # test_bench_rollout_tiny's model and engine: its compiled programs are reused
+    page = 2 * model.num_layers * 16 * model.num_kv_heads * model.head_dim  # bytes per item
+    # a different GiB per weight precision, each TINY_PAGES pages of its pool dtype (float32 / E4M3)
+    gibs = (TINY_PAGES * page * 4 / 2**30, TINY_PAGES * page * 1 / 2**30)
+    res = bench.main(bench.BenchConfig(model=model, workload=bench.WORKLOADS["tiny"],
+                                       modes=(Fp8Mode.NONE, Fp8Mode.ALL), engine=engine, kv_gib_like_vllm=gibs))
     runs = {r["mode"]: r for r in res["runs"]}
-    page = 2 * tiny_qwen3.num_layers * 16 * tiny_qwen3.num_kv_heads * tiny_qwen3.head_dim  # bytes per item
-    for mode, gib, itemsize in (("none", 0.002, 4), ("all", 0.003, 1)):
-        assert runs[mode]["kv_pages"] == int(gib * 2**30 // (page * itemsize)), mode
+    for mode, gib, itemsize in (("none", gibs[0], 4), ("all", gibs[1], 1)):
+        assert runs[mode]["kv_pages"] == int(gib * 2**30 // (page * itemsize)) == TINY_PAGES, mode
         assert runs[mode]["kv_pool_gib"] <= gib and runs[mode]["generated_tokens"] > 0
     assert runs["none"]["fused_projections"] and runs["all"]["fused_projections"]
     assert [runs[m]["bf16_copy_freed"] for m in ("none", "all")] == [True, True]
@@ -181,20 +192,22 @@ def test_profile_decode_tiny(tmp_path):
     W1-like state too (equal lengths, the engine's page order)."""
     prof = _load("profile_decode")
     out = tmp_path / "profile.json"
-    res = prof.main(["--preset", "tiny_qwen3", "--batch", "4", "--context", "40", "--steps", "4", "--repeats", "2",
+    # one timed call (--repeats 1): the run then sizes its cache for 3 calls, as --hold does below, so the
+    # held run reuses this run's compiled kv decode program
+    res = prof.main(["--preset", "tiny_qwen3", "--batch", "4", "--context", "40", "--steps", "4", "--repeats", "1",
                      "--modes", "none", "kv", "--dtype", "float32", "--lengths", "equal", "--pages", "engine",
                      "--prompt-len", "24", "--no-trace", "--out", str(out)])
     assert out.exists() and [r["mode"] for r in res["runs"]] == ["none", "kv"]
     for r in res["runs"]:
-        assert r["step_ms"] > 0 and len(r["call_s"]) == 2 and r["kv_gb_per_step"] > 0 and "trace" not in r
+        assert r["step_ms"] > 0 and len(r["call_s"]) == 1 and r["kv_gb_per_step"] > 0 and "trace" not in r
         assert r["gpu_during_calls"] is None  # no nvidia-smi here
     # --hold: every call from the same lengths, so the KV read per step is that of one call's state
     held = prof.main(["--preset", "tiny_qwen3", "--batch", "4", "--context", "40", "--steps", "4", "--repeats", "3",
                       "--modes", "kv", "--dtype", "float32", "--lengths", "equal", "--hold", "--no-trace"])["runs"][0]
     kv = res["runs"][1]
     assert len(held["call_s"]) == 3
-    # per row: context + steps / 2 tokens (held) against context + steps * (repeats + 1) / 2 (2 repeats, advancing)
-    assert held["kv_gb_per_step"] / kv["kv_gb_per_step"] == pytest.approx((40 + 2) / (40 + 6))
+    # per row: context + steps / 2 tokens (held) against context + steps * (repeats + 1) / 2 (1 repeat, advancing)
+    assert held["kv_gb_per_step"] / kv["kv_gb_per_step"] == pytest.approx((40 + 2) / (40 + 4))
     # --prefill: the prefill program, 3 prompts of 24 tokens per call
     pre = prof.main(["--preset", "tiny_qwen3", "--prefill", "3", "--prompt-len", "24", "--steps", "4", "--repeats", "2",
                      "--modes", "all", "--dtype", "float32", "--no-trace"])["runs"][0]

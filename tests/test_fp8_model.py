@@ -221,11 +221,14 @@ def test_pallas_kernels_through_the_policy_match_the_reference():
 
     cfg = tiny_qwen3
     params = init_params(cfg, jax.random.key(7), jnp.float32)
-    ref_q = quantize_params(params, cfg, kernels=Kernels.REFERENCE)
-    pal_q = quantize_params(params, cfg, kernels=Kernels.PALLAS)
+    # jitted, both paths alike: one compilation each instead of one per op (the kernels interpret eagerly)
+    quantize = jax.jit(quantize_params, static_argnames=("config", "kernels"))
+    ref_q = quantize(params, config=cfg, kernels=Kernels.REFERENCE)
+    pal_q = quantize(params, config=cfg, kernels=Kernels.PALLAS)
     for a, b in zip(jax.tree.leaves(ref_q), jax.tree.leaves(pal_q)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 6)).astype(np.int32)
-    ref = forward(ref_q, tokens, config=cfg, policy=W8A8Policy("float32", kernels=Kernels.REFERENCE))[0]
-    pal = forward(ref_q, tokens, config=cfg, policy=W8A8Policy("float32", kernels=Kernels.PALLAS))[0]
+    fwd = jax.jit(forward, static_argnames=("config", "policy"))
+    ref = fwd(ref_q, tokens, config=cfg, policy=W8A8Policy("float32", kernels=Kernels.REFERENCE))[0]
+    pal = fwd(ref_q, tokens, config=cfg, policy=W8A8Policy("float32", kernels=Kernels.PALLAS))[0]
     assert rel_err(pal, ref) < 1e-5

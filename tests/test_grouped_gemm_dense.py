@@ -74,8 +74,9 @@ def test_policy_kernel_matches_ragged_dot_in_a_moe_forward():
     cfg = dataclasses.replace(tiny_qwen3_moe, num_layers=2)
     params = init_params(cfg, jax.random.key(3), F32)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
-    ref, _ = forward(params, tokens, config=cfg, policy=DensePolicy("float32"))
-    got, _ = forward(params, tokens, config=cfg, policy=DensePolicy("float32", ragged_kernels=Kernels.PALLAS))
+    fwd = jax.jit(forward, static_argnames=("config", "policy"))  # one compilation each, not one per op
+    ref, _ = fwd(params, tokens, config=cfg, policy=DensePolicy("float32"))
+    got, _ = fwd(params, tokens, config=cfg, policy=DensePolicy("float32", ragged_kernels=Kernels.PALLAS))
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="ragged_kernels"):
         DensePolicy("float32", ragged_kernels="pallas")

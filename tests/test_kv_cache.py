@@ -13,6 +13,9 @@ from fp8rl_jax.models import DensePolicy, KVCache, PagedKVCache, forward, init_p
 from fp8rl_jax.models.attention import dot_attention
 
 F32 = DensePolicy("float32")
+# The forward jitted: one compilation per shapes (eagerly every op compiles for every new shape, seconds
+# per forward on the CPU); config, policy and remat are static.
+jit_forward = jax.jit(forward, static_argnames=("config", "policy", "remat"))
 
 
 def _paged(cfg, batch, page_size, max_len, rng, dtype=jnp.float32, spare=3):
@@ -55,7 +58,7 @@ def test_paged_decode_equals_full_forward(cfg, page_size):
     params = init_params(cfg, jax.random.key(0), jnp.float32)
     lens = np.array([4, 9, 1])
     seqs = rng.integers(0, cfg.vocab_size, (3, 13)).astype(np.int32)
-    full = np.asarray(forward(params, seqs, config=cfg, policy=F32)[0])
+    full = np.asarray(jit_forward(params, seqs, config=cfg, policy=F32)[0])
     paged, cache = _decode(cfg, params, seqs, lens, _paged(cfg, 3, page_size, 16, rng))
     np.testing.assert_allclose(paged, full, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(cache.lengths), [13, 13, 13])
@@ -75,7 +78,7 @@ def test_padding_never_writes_into_pages():
                           v_pages=tuple(jnp.full_like(p, sentinel) for p in cache.v_pages))
     lens = np.array([2, 6, 3])
     tokens = rng.integers(0, cfg.vocab_size, (3, 6)).astype(np.int32)
-    _, cache = forward(params, tokens, config=cfg, policy=F32, cache=cache, num_new=jnp.asarray(lens))
+    _, cache = jit_forward(params, tokens, config=cfg, policy=F32, cache=cache, num_new=jnp.asarray(lens))
     table = np.asarray(cache.page_table)
     owned = np.zeros(cache.k_pages[0].shape[:2], bool)
     for b, n in enumerate(lens):
@@ -102,7 +105,7 @@ def test_fp8_kv_cache_logits_error_is_bounded():
     params = jax.tree.map(lambda w: w * 50 / np.sqrt(w.shape[-1]) if w.ndim >= 2 else w, params)
     tokens = rng.integers(0, cfg.vocab_size, (2, 24)).astype(np.int32)
     f32 = _paged(cfg, 2, 8, 24, rng, jnp.float32, spare=0)
-    _, filled = forward(params, tokens, config=cfg, policy=F32, cache=f32)
+    _, filled = jit_forward(params, tokens, config=cfg, policy=F32, cache=f32)
     k_scale = jnp.stack([jnp.max(jnp.abs(p)) for p in filled.k_pages]) / 448.0
     v_scale = jnp.stack([jnp.max(jnp.abs(p)) for p in filled.v_pages]) / 448.0
     out = {}
@@ -111,7 +114,7 @@ def test_fp8_kv_cache_logits_error_is_bounded():
         if dtype == jnp.float8_e4m3fn:
             cache = cache.replace(k_scale=k_scale, v_scale=v_scale)
             assert cache.is_fp8
-        out[name] = forward(params, tokens, config=cfg, policy=F32, cache=cache)[0]
+        out[name] = jit_forward(params, tokens, config=cfg, policy=F32, cache=cache)[0]
     err_fp8, err_bf16 = rel_err(out["fp8"], out["f32"]), rel_err(out["bf16"], out["f32"])
     print(f"KV cache logits relative error: FP8 {err_fp8:.2e}, BF16 {err_bf16:.2e}")
     assert err_bf16 < err_fp8 < 32 * err_bf16
@@ -134,15 +137,15 @@ def _needle_errors(context: int, seed: int) -> tuple[float, float]:
     # queries (unused here, and context^2 work) is dead code XLA drops
     write = jax.jit(lambda cache, k, v: cache.attend(0, jnp.zeros((1, context, K * G, H)), k, v,
                                                      jnp.array([context]))[1])
+    # the query at the last position, attending once more (jitted: one compilation instead of one per op)
+    last = jax.jit(lambda cache, q, k, v: cache.advance(jnp.array([context - 1])).attend(0, q, k, v, jnp.array([1]))[0])
 
     def run(dtype, scale_k, scale_v):
         cache = PagedKVCache.init(1, max_pages, ps, K, H, 1, max_pages, dtype).replace(
             page_table=table, k_scale=jnp.array([scale_k], jnp.float32), v_scale=jnp.array([scale_v], jnp.float32))
         # write the whole context, then attend once more with the query at the last position
         cache = write(cache, jnp.asarray(keys), jnp.asarray(vals))
-        cache = cache.advance(jnp.array([context - 1]))
-        out, _ = cache.attend(0, jnp.asarray(q), jnp.asarray(keys[:, -1:]), jnp.asarray(vals[:, -1:]), jnp.array([1]))
-        return np.asarray(out)
+        return np.asarray(last(cache, jnp.asarray(q), jnp.asarray(keys[:, -1:]), jnp.asarray(vals[:, -1:])))
 
     ref = run(jnp.float32, 1.0, 1.0)
     exact = np.asarray(dot_attention(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(vals),

@@ -17,6 +17,9 @@ from fp8rl_jax.models import (ConfigError, DensePolicy, KVCache, ModelConfig, Pr
 from fp8rl_jax.models.policy import MatmulPolicy
 
 F32 = DensePolicy("float32")
+# The forward jitted: one compilation per shapes (eagerly every op compiles for every new shape, seconds
+# per forward on the CPU); config, policy and remat are static.
+jit_forward = jax.jit(forward, static_argnames=("config", "policy", "remat"))
 
 
 @pytest.mark.parametrize("cfg", [tiny_qwen3, tiny_qwen3_moe], ids=["dense", "moe"])
@@ -31,7 +34,7 @@ def test_cached_decode_equals_full_forward_ragged(cfg):
     prompt = np.zeros((3, lens.max()), np.int32)
     for b, n in enumerate(lens):
         prompt[b, :n] = seqs[b, :n]
-    full = np.asarray(forward(params, seqs, config=cfg, policy=F32)[0])
+    full = np.asarray(jit_forward(params, seqs, config=cfg, policy=F32)[0])
 
     model = bind(params, cfg, F32)
     cache = model.init_cache(batch=3, max_len=32)
@@ -60,20 +63,21 @@ def test_logits_at_picks_one_position_per_row(cfg):
     params = init_params(cfg, jax.random.key(2), jnp.float32)
     tokens = rng.integers(0, cfg.vocab_size, (3, 7)).astype(np.int32)
     at = jnp.asarray(rng.integers(0, 7, 3), jnp.int32)
-    full = np.asarray(forward(params, tokens, config=cfg, policy=F32)[0])
+    full = np.asarray(jit_forward(params, tokens, config=cfg, policy=F32)[0])
     want = full[np.arange(3), np.asarray(at)][:, None]
-    got = forward(params, tokens, config=cfg, policy=F32, logits_at=at)[0]
+    got = jit_forward(params, tokens, config=cfg, policy=F32, logits_at=at)[0]
     assert got.shape == (3, 1, cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     cache = bind(params, cfg, F32).init_cache(batch=3, max_len=8)
-    got, cache = forward(params, tokens, config=cfg, policy=F32, cache=cache, logits_at=at)
+    got, cache = jit_forward(params, tokens, config=cfg, policy=F32, cache=cache, logits_at=at)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     if cfg.num_experts:
-        got, _, experts = forward_with_routing(params, tokens, config=cfg, policy=F32, logits_at=at)
+        got, _, experts = jax.jit(forward_with_routing, static_argnames=("config", "policy"))(
+            params, tokens, config=cfg, policy=F32, logits_at=at)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
         assert experts.shape[:2] == (3, 7)
-    with pytest.raises(AssertionError):
-        forward(params, tokens, config=cfg, policy=F32, logits_at=at[:2])
+    with pytest.raises(AssertionError):  # (raised while tracing)
+        jit_forward(params, tokens, config=cfg, policy=F32, logits_at=at[:2])
 
 
 def test_attention_mask_hides_padding_and_positions_follow():
@@ -82,11 +86,11 @@ def test_attention_mask_hides_padding_and_positions_follow():
     rng = np.random.default_rng(1)
     params = init_params(cfg, jax.random.key(2), jnp.float32)
     row = rng.integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)
-    ref = np.asarray(forward(params, row, config=cfg, policy=F32)[0])
+    ref = np.asarray(jit_forward(params, row, config=cfg, policy=F32)[0])
     padded = np.concatenate([np.zeros((1, 3), np.int32), row], axis=1)
     mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    out = np.asarray(forward(params, padded, config=cfg, policy=F32, attention_mask=mask, positions=positions)[0])
+    out = np.asarray(jit_forward(params, padded, config=cfg, policy=F32, attention_mask=mask, positions=positions)[0])
     np.testing.assert_allclose(out[:, 3:], ref, rtol=1e-5, atol=1e-5)
 
 
@@ -155,10 +159,10 @@ def test_moe_block_matches_float64_loop(norm):
 def test_bfloat16_policy_runs_in_bfloat16():
     params = init_params(tiny_qwen3, jax.random.key(5), jnp.bfloat16)
     tokens = np.random.default_rng(4).integers(0, tiny_qwen3.vocab_size, (2, 8)).astype(np.int32)
-    h, _ = bind(params, tiny_qwen3, DensePolicy("bfloat16")).hidden_states(jnp.asarray(tokens))
+    h, _ = jax.jit(lambda p, t: bind(p, tiny_qwen3, DensePolicy("bfloat16")).hidden_states(t))(params, tokens)
     assert h.dtype == jnp.bfloat16
-    lo = np.asarray(forward(params, tokens, config=tiny_qwen3, policy=DensePolicy("bfloat16"))[0])
-    hi = np.asarray(forward(params, tokens, config=tiny_qwen3, policy=F32)[0])
+    lo = np.asarray(jit_forward(params, tokens, config=tiny_qwen3, policy=DensePolicy("bfloat16"))[0])
+    hi = np.asarray(jit_forward(params, tokens, config=tiny_qwen3, policy=F32)[0])
     assert lo.dtype == np.float32
     assert 0 < rel_err(lo, hi) < 5e-2
 
@@ -198,15 +202,16 @@ def test_fused_cast_gemms_write_bfloat16_with_float32_accumulation():
     np.testing.assert_allclose(ragged, ref_r, rtol=2**-8, atol=2**-8 * np.abs(ref_r).max() / 64)
     params = init_params(tiny_qwen3, jax.random.key(5), jnp.bfloat16)
     tokens = rng.integers(0, tiny_qwen3.vocab_size, (2, 8)).astype(np.int32)
-    lo = np.asarray(forward(params, tokens, config=tiny_qwen3, policy=fused)[0])
-    hi = np.asarray(forward(params, tokens, config=tiny_qwen3, policy=F32)[0])
+    lo = np.asarray(jit_forward(params, tokens, config=tiny_qwen3, policy=fused)[0])
+    hi = np.asarray(jit_forward(params, tokens, config=tiny_qwen3, policy=F32)[0])
     assert 0 < rel_err(lo, hi) < 5e-2
 
 
 def test_fp32_master_weights_with_bf16_compute():
     """FP32 parameters under a BF16 policy compute in BF16 (the trainer's mixed precision)."""
     params = init_params(tiny_qwen3, jax.random.key(6), jnp.float32)
-    h, _ = bind(params, tiny_qwen3, DensePolicy("bfloat16")).hidden_states(jnp.zeros((1, 4), jnp.int32))
+    h, _ = jax.jit(lambda p, t: bind(p, tiny_qwen3, DensePolicy("bfloat16")).hidden_states(t))(
+        params, jnp.zeros((1, 4), jnp.int32))
     assert h.dtype == jnp.bfloat16
 
 

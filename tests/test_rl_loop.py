@@ -120,6 +120,10 @@ def test_prompt_dataset_epochs_and_resumable_cursor():
 # ------------------------------------------------------------------------------------ stages
 
 
+# the reference logprobs jitted: one compilation instead of one per op (seconds on the CPU)
+_jit_token_logprobs = jax.jit(token_logprobs, static_argnames=("config", "policy"))
+
+
 @pytest.fixture(scope="module")
 def tiny_setup():
     cfg = dataclasses.replace(tiny_qwen3, vocab_size=32, eos_token_ids=(1,))
@@ -169,7 +173,7 @@ def test_rollout_score_build_batch_and_trainer_logprobs(tiny_setup):
     old = np.asarray(batch.old_logprobs)
     np.testing.assert_allclose(old[mask > 0], rlp[mask > 0], atol=1e-4)
     assert not old[mask == 0].any()
-    ref, _ = token_logprobs(params, batch.tokens, config=cfg, policy=DensePolicy("float32"))
+    ref, _ = _jit_token_logprobs(params, batch.tokens, config=cfg, policy=DensePolicy("float32"))
     np.testing.assert_allclose(old[mask > 0], np.asarray(ref)[mask > 0], atol=1e-5)
 
 
@@ -219,7 +223,7 @@ def test_sft_step_lowers_the_masked_cross_entropy(tiny_setup):
     for _ in range(8):
         state, m = step(state, tokens, mask)
         losses.append(float(m["loss"]))
-    logp, _ = token_logprobs(params, tokens, config=cfg, policy=DensePolicy("float32"))
+    logp, _ = _jit_token_logprobs(params, tokens, config=cfg, policy=DensePolicy("float32"))
     m0 = np.asarray(mask).copy()
     np.testing.assert_allclose(losses[0], -(np.asarray(logp) * m0).sum() / m0.sum(), rtol=1e-5)
     assert losses[-1] < 0.5 * losses[0]

@@ -203,12 +203,14 @@ def test_engine_records_routing_aligned_with_the_full_forward_and_survives_preem
     S = max(lens)
     assert big.routing.shape == (len(prompts), S, L_MOE, K) and big.routing.dtype == np.int32
     tokens, mask, rollout_lp = _context_tokens(prompts, big, S)
-    _, _, own = forward_with_routing(params, jnp.asarray(tokens), config=CFG, policy=F32)
+    # (jitted: one compilation each instead of one per op)
+    _, _, own = jax.jit(lambda p, t: forward_with_routing(p, t, config=CFG, policy=F32))(params, jnp.asarray(tokens))
     own = np.asarray(own)
     for i, n in enumerate(lens):
         np.testing.assert_array_equal(big.routing[i, : n - 1], own[i, : n - 1])
         assert np.all(big.routing[i, n - 1 :] == -1)
-    logp, _ = token_logprobs(params, jnp.asarray(tokens), config=CFG, policy=F32, routing=jnp.asarray(big.routing))
+    logp, _ = jax.jit(lambda p, t, r: token_logprobs(p, t, config=CFG, policy=F32, routing=r))(
+        params, jnp.asarray(tokens), jnp.asarray(big.routing))
     np.testing.assert_allclose(np.asarray(logp) * mask, rollout_lp, atol=1e-5)
 
 

@@ -37,6 +37,7 @@ from fp8rl_jax.rl.algos import (
     outcome_to_token_rewards,
     value_loss,
 )
+from fp8rl_jax.rl.algos import value_loss as _value_loss
 from fp8rl_jax.rl.loop import (
     MetricsLogger,
     Task,
@@ -102,6 +103,10 @@ def compile_fast(jitted):
         return compiled["fn"](*args)
 
     return call
+
+
+# the reference values jitted: one compilation instead of one per op (seconds on the CPU)
+_jit_logprobs_and_values = jax.jit(token_logprobs_and_values, static_argnames=("config", "policy"))
 
 
 @functools.cache
@@ -216,6 +221,8 @@ def test_value_loss_padding_and_split_denominator():
     denominator add up to the whole-batch loss."""
     rng = np.random.default_rng(3)
     v, old, ret, mask = value_inputs(rng, B=6, T=6)
+    # jitted: one compilation per shapes and settings instead of one per op and shape
+    value_loss = jax.jit(_value_loss, static_argnames=("clip", "agg", "denominator"))
     for agg in ALL_AGGS:
         loss, m = value_loss(v, old, ret, mask, clip=0.2, agg=agg)
 
@@ -232,9 +239,9 @@ def test_value_loss_padding_and_split_denominator():
                      for s in (slice(0, 3), slice(3, 6)))
         np.testing.assert_allclose(halves, loss, rtol=1e-6)
     with pytest.raises(ValueError, match="needs old_values"):
-        value_loss(v, None, ret, mask, clip=0.2)
+        _value_loss(v, None, ret, mask, clip=0.2)
     with pytest.raises(ValueError, match="value clip must be > 0"):
-        value_loss(v, old, ret, mask, clip=0.0)
+        _value_loss(v, old, ret, mask, clip=0.0)
 
 
 def test_masked_whiten_and_gae_alignment_of_outcome_rewards():
@@ -307,7 +314,7 @@ def test_trainer_logprobs_and_values_and_the_generator_gets_model_params_only():
     np.testing.assert_allclose(np.asarray(logp), np.asarray(lp_fn(pv.model, tokens)), rtol=1e-6, atol=1e-6)
     lp_fn_head = compile_fast(make_logprob_fn(cfg, F32, tc))  # the GRPO logprob fn ignores a value head
     np.testing.assert_array_equal(np.asarray(lp_fn_head(pv, tokens)), np.asarray(lp_fn(pv.model, tokens)))
-    ref = token_logprobs_and_values(pv, tokens, config=cfg, policy=F32)[2]
+    ref = _jit_logprobs_and_values(pv, tokens, config=cfg, policy=F32)[2]
     np.testing.assert_allclose(np.asarray(values), np.asarray(ref), rtol=1e-5, atol=1e-6)
     assert model_params(pv) is pv.model and model_params(pv.model) is pv.model
 
@@ -384,7 +391,7 @@ def test_accumulation_equals_whole_batch_with_value_loss(agg):
     # The value metrics against float64 NumPy, with V from the model's own forward.
     m = np.asarray(batch.loss_mask) > 0
     m[:, 0] = False
-    v = np.asarray(token_logprobs_and_values(pv, batch.tokens, config=cfg, policy=F32)[2], np.float64)
+    v = np.asarray(_jit_logprobs_and_values(pv, batch.tokens, config=cfg, policy=F32)[2], np.float64)
     v_old, ret = (np.asarray(x, np.float64) for x in (batch.values, batch.returns))
     ref_loss, _, ref = ref_value_loss(v, v_old, ret, m.astype(np.float64), agg, 0.3)
     np.testing.assert_allclose(metrics["value_loss"], ref_loss, rtol=1e-4)
