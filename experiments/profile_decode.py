@@ -251,7 +251,7 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
     start_lengths = np.asarray(engine.cache.lengths)  # a host copy: the cache is donated to each call
 
     def call():
-        out = engine_mod._decode(engine.params, engine.cache, *rest, steps=args.steps, truncation=truncation,
+        out = engine_mod.decode_program()(engine.params, engine.cache, *rest, steps=args.steps, truncation=truncation,
                                  **engine._static)
         # --hold: every call starts from the same lengths (it rewrites the same KV slots): one state, any repeats
         engine.cache = out[3].replace(lengths=jnp.asarray(start_lengths)) if args.hold else out[3]
@@ -281,9 +281,12 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
     if jax.default_backend() == "gpu" and not args.no_trace:
         row["trace"] = traced(call, args.steps, args.trace_out, f"decode_{mode.value}")
         if args.hlo:  # what each top XLA kernel computes, from the program's optimized HLO
-            hlo = engine_mod._decode.lower(engine.params, engine.cache, *rest, steps=args.steps, truncation=truncation,
+            hlo = engine_mod.decode_program().lower(engine.params, engine.cache, *rest, steps=args.steps, truncation=truncation,
                                            **engine._static).compile().as_text()
             row["trace"]["top_kernels_hlo"] = fusion_hlo(hlo, list(row["trace"]["top_kernels_us_per_step"]))
+            if args.hlo_out:  # the whole program, for kernels the top list's excerpts do not explain
+                args.hlo_out.mkdir(parents=True, exist_ok=True)
+                (args.hlo_out / f"decode_{mode.value}.hlo.txt").write_text(hlo)
     print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
     if "trace" in row:
         t = row["trace"]
@@ -327,6 +330,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--hlo", action="store_true",
                     help="also record the optimized HLO of the top XLA kernels (compiles the decode program again)")
+    ap.add_argument("--hlo-out", type=Path, default=None, help="with --hlo, also write each mode's whole HLO here")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-out", type=Path, default=None, help="also keep each traced call's trace.json.gz here")
     args = ap.parse_args(argv)

@@ -85,7 +85,7 @@ def main():
     reqs = [None] * B
     sampling, stops, remaining = eng._slot_arrays(reqs)
     last, active = jnp.zeros((B,), jnp.int32), jnp.ones((B,), bool)
-    lowered = engine_mod._decode.lower(eng.params, eng.cache, last, active, sampling, stops, remaining,
+    lowered = engine_mod.decode_program().lower(eng.params, eng.cache, last, active, sampling, stops, remaining,
                                        steps=cfg.steps_per_call, **eng._static)
     hlo = lowered.compile().as_text()
     if a.dump:

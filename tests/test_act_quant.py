@@ -38,13 +38,18 @@ def _silu_mul64(gu) -> np.ndarray:
     return g / (1.0 + np.exp(-g)) * u
 
 
+# Interpret mode compiles a program per kernel shape (seconds on the CPU): the interpret twins run the edge cases (one
+# row, one group; widths that are not a power of two; both scale layouts; the widest), the GPU twins every case.
+SWIGLU_CASES = [(8, 256, True), (24, 384, False), (1, 128, True), (3, 512, False), (40, 1024, True)]
+SWIGLU_CASES_INTERPRET = [(24, 384, False), (1, 128, True), (40, 1024, True)]
+
+
 class TestInterpret:
     """On the CPU the kernel body runs through XLA:CPU, as the reference does: bit for bit."""
 
     INTERPRET = True
 
-    @pytest.mark.parametrize("m,i,scales_t", [(8, 256, True), (24, 384, False), (1, 128, True), (3, 512, False),
-                                               (40, 1024, True)], ids=str)
+    @pytest.mark.parametrize("m,i,scales_t", SWIGLU_CASES_INTERPRET, ids=str)
     def test_matches_the_composition(self, m, i, scales_t):
         gu = _gu(m, i, seed=m * 7 + i)
         gu = gu.at[0, : aq.GROUP].set(0).at[0, i: i + aq.GROUP].set(0)  # an all-zero group: scale 1
@@ -73,6 +78,10 @@ class TestGpu(TestInterpret):
     bf16 ulp; and against float64 the kernel is as accurate as the reference."""
 
     INTERPRET = False
+
+    @pytest.mark.parametrize("m,i,scales_t", SWIGLU_CASES, ids=str)
+    def test_matches_the_composition(self, m, i, scales_t):
+        super().test_matches_the_composition(m, i, scales_t)
 
     def check(self, q, s, qr, sr, gu, scales_t):
         a, b = np.asarray(codes_to_float32(q)), np.asarray(codes_to_float32(qr))
@@ -166,6 +175,8 @@ def _norm64(x, r, w, eps) -> np.ndarray:
 
 NORM_CASES = [(8, 256, True, True), (3, 512, False, False), (16, 1024, True, False), (5, 128, False, True),
               (32, 4096, True, True)]
+# the interpret twin of the quantizing norm: one group, both residual and scale layouts, exact and wide rows
+NORM_CASES_INTERPRET = [(16, 1024, True, False), (5, 128, False, True), (32, 4096, True, True)]
 
 
 def _close_codes(q, s, qr, sr, y64, scales_t):
@@ -192,7 +203,7 @@ class TestNormInterpret:
 
     INTERPRET = True
 
-    @pytest.mark.parametrize("m,d,residual,scales_t", NORM_CASES, ids=str)
+    @pytest.mark.parametrize("m,d,residual,scales_t", NORM_CASES_INTERPRET, ids=str)
     def test_matches_the_composition(self, m, d, residual, scales_t):
         x, r, w = _norm_inputs(m, d, seed=m + d, residual=residual)
         eps = 1e-6
@@ -233,6 +244,10 @@ class TestNormGpu(TestNormInterpret):
     `_close_codes` says."""
 
     INTERPRET = False
+
+    @pytest.mark.parametrize("m,d,residual,scales_t", NORM_CASES, ids=str)
+    def test_matches_the_composition(self, m, d, residual, scales_t):
+        super().test_matches_the_composition(m, d, residual, scales_t)
 
     def check(self, q, s, qr, sr, y64, scales_t, exact):
         _close_codes(q, s, qr, sr, y64, scales_t)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -9,10 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs.models import tiny_qwen3
+from configs.models import tiny_qwen3 as _tiny_qwen3
 from conftest import run_cli, run_cli_here
 from fp8rl_jax.checkpoint import save_checkpoint
 from fp8rl_jax.models import DensePolicy, forward, init_params
+
+# The tiny preset with one decoder layer: the CLI's contracts (flags, shapes, dtypes, errors) do not depend on
+# depth, and every `fp8rl` call here compiles its programs (XLA's CPU compile grows with the layers).
+tiny_qwen3 = dataclasses.replace(_tiny_qwen3, num_layers=1)
 
 
 @pytest.fixture(scope="module")

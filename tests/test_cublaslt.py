@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -34,9 +35,21 @@ def _operands(m, n, k, seed):
     return qa, sa, qw.q, qw.scale_inv
 
 
-def _load_copy(tmp_path: Path, library: str) -> ctypes.CDLL:
-    """A private copy of the handler library (own globals), pointed at ``library``."""
-    lib = ctypes.CDLL(str(cublaslt.build(tmp_path)))
+@pytest.fixture(scope="module")
+def handler_build(tmp_path_factory) -> Path:
+    """The folder of this module's one build of the handler (a C++ compile of seconds)."""
+    folder = tmp_path_factory.mktemp("cublaslt_build")
+    cublaslt.build(folder)
+    return folder
+
+
+def _load_copy(build_dir: Path, tmp_path: Path, library: str) -> ctypes.CDLL:
+    """A private copy of the handler library built in ``build_dir`` (a file of its own in ``tmp_path``:
+    own globals), pointed at ``library``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    copy = tmp_path / "libfp8rl_cublaslt_copy.so"
+    shutil.copyfile(cublaslt.build(build_dir), copy)
+    lib = ctypes.CDLL(str(copy))
     lib.fp8rl_cublaslt_set_library.argtypes = [ctypes.c_char_p]
     lib.fp8rl_cublaslt_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     lib.fp8rl_cublaslt_load.restype = ctypes.c_size_t
@@ -44,10 +57,13 @@ def _load_copy(tmp_path: Path, library: str) -> ctypes.CDLL:
     return lib
 
 
-def test_handler_builds_once_and_reports_a_missing_cublaslt(tmp_path):
-    lib_path = cublaslt.build(tmp_path)
-    assert lib_path.exists() and cublaslt.build(tmp_path) == lib_path  # cached by source hash
-    lib = _load_copy(tmp_path, "/nonexistent/libcublasLt.so.13")
+def test_handler_builds_once_and_reports_a_missing_cublaslt(handler_build, tmp_path):
+    built = sorted(handler_build.glob("*.so"))
+    assert len(built) == 1  # the fixture's build
+    lib_path = cublaslt.build(handler_build)
+    assert lib_path == built[0] and lib_path.exists()  # cached by source hash: built once
+    assert sorted(handler_build.glob("*.so")) == built
+    lib = _load_copy(handler_build, tmp_path, "/nonexistent/libcublasLt.so.13")
     assert hasattr(lib, "Fp8rlCublasLtFp8BlockGemm")
     msg = ctypes.create_string_buffer(2048)
     version = lib.fp8rl_cublaslt_load(msg, len(msg))
@@ -57,14 +73,14 @@ def test_handler_builds_once_and_reports_a_missing_cublaslt(tmp_path):
         assert version >= 120900 and msg.value == b""
 
 
-def test_resolves_every_entry_point_of_an_installed_cublaslt(tmp_path):
+def test_resolves_every_entry_point_of_an_installed_cublaslt(handler_build, tmp_path):
     """The dlsym of every entry point the handler calls, against the pip NVIDIA package's library
     where one is installed (the GPU image; jax[cuda13] installs it)."""
     found = cublaslt.find_cublaslt()
     if found is None:
         pytest.skip("no pip nvidia-cublas here (CPU-only jax); runs on the device")
     msg = ctypes.create_string_buffer(2048)
-    version = _load_copy(tmp_path, str(found)).fp8rl_cublaslt_load(msg, len(msg))
+    version = _load_copy(handler_build, tmp_path, str(found)).fp8rl_cublaslt_load(msg, len(msg))
     assert version >= 120900, msg.value.decode()
 
 
@@ -115,7 +131,7 @@ def test_wrapper_validates_and_explains_where_it_cannot_run():
             cublaslt.fp8_gemm_cublaslt(qa, sa, qb, sb)
 
 
-def test_handler_against_a_host_cublaslt_stand_in(tmp_path):
+def test_handler_against_a_host_cublaslt_stand_in(handler_build, tmp_path):
     """The real handler (its host-buffer twin, on the CPU platform) driven through the real wrappers
     against tests/fake_cublaslt.cc, a CPU model of cuBLASLt's documented semantics: descriptors,
     layouts, scale pointers, padding and workspace wiring give the jnp reference's product."""
@@ -124,7 +140,7 @@ def test_handler_against_a_host_cublaslt_stand_in(tmp_path):
                            str(Path(__file__).with_name("fake_cublaslt.cc")), "-o", str(fake)],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lib = _load_copy(tmp_path / "handler", str(fake))
+    lib = _load_copy(handler_build, tmp_path / "handler", str(fake))
     msg = ctypes.create_string_buffer(256)
     assert lib.fp8rl_cublaslt_load(msg, len(msg)) == 131000, msg.value
     target = "fp8rl_cublaslt_test_host"
@@ -178,13 +194,13 @@ def test_lowers_for_cuda_with_the_handlers_contract():
     assert f"tensor<6x384xf32>) -> (tensor<112x384xf32>, {ws})" in calls[0]
 
 
-def test_graph_capturable_registration_unless_turned_off(monkeypatch):
+def test_graph_capturable_registration_unless_turned_off(handler_build, monkeypatch):
     monkeypatch.delenv("FP8RL_CUBLASLT_GRAPHS", raising=False)
     assert cublaslt.ffi_target() == cublaslt.FFI_TARGET
     monkeypatch.setenv("FP8RL_CUBLASLT_GRAPHS", "0")
     assert cublaslt.ffi_target() == cublaslt.FFI_TARGET_EAGER
     if not ON_GPU:  # both handler symbols exist in the built library (registered for CUDA by `load`)
-        lib = ctypes.CDLL(str(cublaslt.build()))
+        lib = ctypes.CDLL(str(cublaslt.build(handler_build)))  # the module's build (the same source)
         assert lib.Fp8rlCublasLtFp8BlockGemm and lib.Fp8rlCublasLtFp8BlockGemmEager
 
 

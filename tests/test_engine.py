@@ -19,8 +19,13 @@ from fp8rl_jax.rollout.base import FinishReason
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig
 
+# Compiles dominate these tests: every distinct engine config (shapes, precision, model) compiles its own prefill
+# (one per length bucket) and decode programs, so the tests share a few configs. Two buckets: most prompts here
+# fit the first, longer ones and sequences recomputed after a preemption the second.
 F32 = EngineConfig(max_slots=3, page_size=4, num_pages=64, max_seq_len=64, steps_per_call=3, prefill_batch=2,
-                   prefill_buckets=(8, 16, 32, 64), dtype="float32")
+                   prefill_buckets=(16, 64), dtype="float32")
+# more slots, smaller pages, longer decode chunks, a wider prefill: a config of the invariance and truncation tests
+WIDE = dataclasses.replace(F32, max_slots=4, page_size=2, steps_per_call=5, prefill_batch=4)
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=7, ignore_eos=True)
 
 
@@ -80,21 +85,21 @@ _SAMPLED = SamplingConfig(temperature=1.0, top_p=0.9, top_k=20, max_tokens=7, ig
 
 
 # A greedy row takes the argmax whatever the draw (Draw applies to rows with T > 0): the greedy case runs
-# the default draw, whose F32 programs the other greedy tests of this file compile too.
-@pytest.mark.parametrize("sampling,draw,all_configs", [(GREEDY, Draw.INVERSE_CDF, True), (_SAMPLED, Draw.GUMBEL, True),
-                                                       (_SAMPLED, Draw.INVERSE_CDF, False)],
+# the default draw, whose F32 programs the other greedy tests of this file compile too. Every engine config
+# compiles its own programs, so each sampled draw runs two of the three configs (together they cover all three).
+@pytest.mark.parametrize("sampling,draw,which", [(GREEDY, Draw.INVERSE_CDF, (0, 1, 2)), (_SAMPLED, Draw.GUMBEL, (0, 1)),
+                                                 (_SAMPLED, Draw.INVERSE_CDF, (0, 2))],
                          ids=["greedy", "sampled", "sampled-inverse-cdf"])
-def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw, all_configs):
+def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw, which):
     cfg, rng = tiny_qwen3, np.random.default_rng(2)
     params = init_params(cfg, jax.random.key(1), jnp.float32)
     prompts = _prompts(rng, cfg.vocab_size, [4, 10, 6, 2])
     seeds = [dataclasses.replace(sampling, seed=sampling.seed + i) for i in range(len(prompts))]
     runs = []
-    configs = [F32, dataclasses.replace(F32, max_slots=1, page_size=8, steps_per_call=1),
-               dataclasses.replace(F32, max_slots=4, page_size=2, steps_per_call=5, prefill_batch=4)]
-    # the sampled inverse-CDF draw shares the engine with Gumbel's: two configs show it reaches both programs
-    for ec in configs if all_configs else configs[::2]:
-        runs.append(JaxEngine(cfg, params, dataclasses.replace(ec, sampling_draw=draw)).generate(prompts, seeds))
+    configs = [F32, dataclasses.replace(F32, max_slots=1, page_size=8, steps_per_call=1), WIDE]
+    for i in which:
+        engine = JaxEngine(cfg, params, dataclasses.replace(configs[i], sampling_draw=draw))
+        runs.append(engine.generate(prompts, seeds))
     for other in runs[1:]:
         assert other.token_lists() == runs[0].token_lists()
         np.testing.assert_allclose(other.logprobs, runs[0].logprobs, atol=1e-5)
@@ -124,8 +129,8 @@ def test_truncation_is_decided_on_the_host(monkeypatch):
     alone = JaxEngine(cfg, params, F32).generate(prompts, plain)
     assert flags["prefill"] and flags["decode"] and not any(flags["prefill"] + flags["decode"])
     flags = {"prefill": [], "decode": []}
-    mixed = JaxEngine(cfg, params, dataclasses.replace(F32, max_slots=4)).generate(prompts + [prompts[1]],
-                                                                                 plain + [_SAMPLED])
+    # four slots, so the top-p request runs from the start (WIDE: the programs of the invariance test's)
+    mixed = JaxEngine(cfg, params, WIDE).generate(prompts + [prompts[1]], plain + [_SAMPLED])
     assert True in flags["prefill"] and all(flags["decode"])  # the top-p request runs in every decode call
     assert mixed.token_lists()[:3] == alone.token_lists()
     np.testing.assert_allclose(mixed.logprobs[:3, :6], alone.logprobs, atol=1e-5)
@@ -165,11 +170,15 @@ def test_stop_tokens_eos_and_length_limits():
     eng = JaxEngine(eos_cfg, params, F32)
     assert eng.generate(prompt, SamplingConfig(temperature=0.0, max_tokens=10)).token_lists()[0] == free[: first + 1]
     assert eng.generate(prompt, dataclasses.replace(GREEDY, max_tokens=10)).token_lists()[0] == free
-    # max_seq_len: prompt 5 + generated stops at 12 tokens in all
-    short = JaxEngine(cfg, params, dataclasses.replace(F32, max_seq_len=12))
-    out = short.generate(prompt, dataclasses.replace(GREEDY, max_tokens=50))
+    # max_seq_len (64; F32's own, so its programs): a prompt of 57 stops at 64 tokens in all, with the 7 tokens
+    # it generates when max_tokens says 7
+    long = _prompts(rng, cfg.vocab_size, [57])
+    eng = JaxEngine(cfg, params, F32)
+    seven = eng.generate(long, GREEDY)
+    out = eng.generate(long, dataclasses.replace(GREEDY, max_tokens=50))
+    assert seven.finish_reasons == [FinishReason.LENGTH]
     assert out.lengths.tolist() == [7] and out.finish_reasons == [FinishReason.MAX_LEN]
-    assert out.token_lists()[0] == free[:7]
+    assert out.token_lists() == seven.token_lists()
 
 
 def test_bad_requests_name_the_request_and_run_nothing():
@@ -362,7 +371,8 @@ def test_warmup_compiles_everything_and_changes_nothing():
     prompts = _prompts(rng, cfg.vocab_size, [9, 6, 11, 3])
     sampling = SamplingConfig(temperature=0.8, max_tokens=12, ignore_eos=True, seed=4)
     # shapes no other test compiles (the jitted programs are module-level, their caches shared)
-    ec = dataclasses.replace(F32, precision=Fp8Mode.KV, num_pages=9, steps_per_call=2, kv_calibration_prompts=3)
+    ec = dataclasses.replace(F32, precision=Fp8Mode.KV, num_pages=9, steps_per_call=2, kv_calibration_prompts=3,
+                             prefill_buckets=(8, 16, 64))
     eng = JaxEngine(cfg, params, ec)
     before = jax.tree.map(np.array, eng.cache)
     assert eng.warmup(min_prompt_len=3, max_prompt_len=11) > 0

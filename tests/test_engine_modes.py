@@ -145,12 +145,13 @@ def test_overlapped_host_loop_changes_no_result():
     prompts = _prompts(rng, cfg.vocab_size, [9, 3, 14, 6, 11, 2, 8, 5])
     sampling = [SamplingConfig(temperature=0.9, top_p=0.95, max_tokens=int(n), seed=40 + i, ignore_eos=True)
                 for i, n in enumerate(rng.integers(10, 17, len(prompts)))]
-    # every other request stops at the token it samples third
-    free_run = JaxEngine(cfg, params, F32).generate(prompts, sampling).token_lists()
-    sampling = [dataclasses.replace(sp, stop_token_ids=(free_run[i][2],)) if i % 2 == 0 else sp
-                for i, sp in enumerate(sampling)]
     ec = dataclasses.replace(F32, max_slots=3, num_pages=9, steps_per_call=3,
                              record_routing=True)
+    # every other request stops at the token it samples third (the free run on the synchronous engine's
+    # programs: a config of its own would compile its own)
+    free_run = JaxEngine(cfg, params, ec).generate(prompts, sampling).token_lists()
+    sampling = [dataclasses.replace(sp, stop_token_ids=(free_run[i][2],)) if i % 2 == 0 else sp
+                for i, sp in enumerate(sampling)]
     out = {}
     for overlap in (False, True):
         eng = JaxEngine(cfg, params, dataclasses.replace(ec, overlap_host=overlap))

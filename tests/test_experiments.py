@@ -9,10 +9,26 @@ import pytest
 
 from conftest import cpu_devices_env
 
-from configs.models import tiny_qwen3, tiny_qwen3_moe
+from configs.models import tiny_qwen3 as _tiny_qwen3
+from configs.models import tiny_qwen3_moe as _tiny_qwen3_moe
 from fp8rl_jax.models import Fp8Mode
 
 from conftest import load_experiment as _load
+
+# The tiny presets with one decoder layer: each test below is a smoke test of an experiment's main(), whose
+# cost on the CPU is XLA compiling its programs, which grows with the depth; every layer runs the same code.
+tiny_qwen3 = dataclasses.replace(_tiny_qwen3, num_layers=1)
+tiny_qwen3_moe = dataclasses.replace(_tiny_qwen3_moe, num_layers=1)
+
+
+@pytest.fixture
+def one_layer_presets(monkeypatch):
+    """``--preset tiny_qwen3`` / ``tiny_qwen3_moe`` resolve to the one-layer variants above (for the mains that
+    take a preset name on their command line)."""
+    from configs.models import PRESETS
+
+    monkeypatch.setitem(PRESETS, "tiny_qwen3", tiny_qwen3)
+    monkeypatch.setitem(PRESETS, "tiny_qwen3_moe", tiny_qwen3_moe)
 
 
 def test_score_demo(tmp_path):
@@ -187,7 +203,7 @@ def test_bench_decode_gemms_tiny(tmp_path):
         assert np.isnan(r["gpu_ms"])
 
 
-def test_profile_decode_tiny(tmp_path):
+def test_profile_decode_tiny(tmp_path, one_layer_presets):
     """The profile runs the engine's decode loop on a tiny model on the CPU (no trace: no GPU kernels), from the
     W1-like state too (equal lengths, the engine's page order)."""
     prof = _load("profile_decode")
@@ -276,11 +292,13 @@ def test_bench_scaling_tiny_on_two_cpu_devices(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "scaling.json"
     env = cpu_devices_env(2)
-    proc = subprocess.run([sys.executable, str(repo / "experiments" / "bench_scaling.py"), "--preset", "tiny_qwen3",
+    # the script's own command line, run with the one-layer tiny preset (tests/_a_one_layer_script.py)
+    proc = subprocess.run([sys.executable, str(repo / "tests" / "_a_one_layer_script.py"),
+                           str(repo / "experiments" / "bench_scaling.py"), "--preset", "tiny_qwen3",
                            "--tiny", "--out", str(out)], env=env, cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["environment"]["devices"] == 2
+    assert res["environment"]["devices"] == 2 and res["model"]["num_layers"] == 1
     g = res["generator"]
     assert g["tp1"]["tokens_per_s"] > 0 and g["tp2"]["tokens_per_s"] > 0
     assert abs(g["tp2"]["kv_pages"] - 2 * g["tp1"]["kv_pages"]) <= 1  # the KV budget is per device

@@ -83,11 +83,18 @@ def _rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
+# Interpret mode compiles a program per shape and config (seconds on the CPU): the interpret twin leaves out
+# "aligned" (its unmasked loads are one_expert's, its trailing empty group ragged_tail's) and checks the preloaded
+# scales on the ragged swap_ab case only; the GPU twin runs every case.
+INTERPRET_CASES = [c for c in CASES if c != "aligned"]
+SWAP_CASES = [c for c in CASES if CASES[c][4].swap_ab]
+
+
 class TestGroupedInterpret:
     INTERPRET = True
     TOL = TOL
 
-    @pytest.mark.parametrize("case", list(CASES))
+    @pytest.mark.parametrize("case", INTERPRET_CASES)
     def test_vs_reference_and_float64(self, case):
         m, n, k, sizes, config = CASES[case]
         _, _, qa, sa, qw, gs = _operands(m, n, k, sizes, seed=m * 1000 + n + k)
@@ -115,7 +122,7 @@ class TestGroupedInterpret:
         assert (err := _rel_err(got, want)) <= self.TOL[jnp.dtype(out_dtype)], f"rel err {err:.2e}"
 
 
-    @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][4].swap_ab])
+    @pytest.mark.parametrize("case", ["swap_ragged_tail_partial_nk"])
     def test_preloaded_scales_bit_identical(self, case):
         """Scales of every K step loaded before the K loop (the default) give the very bits of scales
         loaded inside it: each step's pick is a one-hot sum, and the padded steps never run."""
@@ -148,6 +155,14 @@ class TestGroupedInterpret:
 class TestGroupedGpu(TestGroupedInterpret):
     INTERPRET = False
     TOL = TOL_GPU
+
+    @pytest.mark.parametrize("case", list(CASES))
+    def test_vs_reference_and_float64(self, case):
+        super().test_vs_reference_and_float64(case)
+
+    @pytest.mark.parametrize("case", SWAP_CASES)
+    def test_preloaded_scales_bit_identical(self, case):
+        super().test_preloaded_scales_bit_identical(case)
 
     # Each sweep config once, on a Qwen3-30B-A3B expert shape (gate/up or down, 128 experts,
     # top-8 routing), alternating uniform and skewed routing and decode / prefill token counts.
@@ -190,7 +205,8 @@ class TestGroupedReference:
         e, bm = int(rng.integers(1, 9)), int(rng.choice([16, 32, 64]))
         m = int(rng.integers(1, 200))
         sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.full(e, 0.3))).tolist()
-        meta = np.asarray(gg.work_items(jnp.asarray(sizes, jnp.int32), m, bm, k_steps=3))
+        # jitted: one compile per shape instead of an eager dispatch (and compile) per op
+        meta = np.asarray(jax.jit(gg.work_items, static_argnums=(1, 2, 3))(jnp.asarray(sizes, jnp.int32), m, bm, 3))
         assert meta.shape == (5, gg.num_work_items(m, e, bm))
         want = _expected_items(sizes, m, bm)
         got = [(int(g), int(t), int(lo), int(hi), bool(st)) for g, t, lo, hi, st in meta.T if hi > lo]

@@ -15,7 +15,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from configs.models import tiny_qwen3, tiny_qwen3_moe
-from conftest import rel_err, run_cli, run_cli_here
+from conftest import rel_err, run_cli_here
 from fp8rl_jax.checkpoint import CheckpointError, SafetensorsFile, load_checkpoint, save_checkpoint
 from fp8rl_jax.models import DensePolicy, Proj, Site, forward, init_params
 from fp8rl_jax.quant import QuantizedWeight, quantize_activations, quantize_weight_blockwise
@@ -34,8 +34,10 @@ def _kinds(params):
 
 @pytest.mark.parametrize("first, last", [(0, 0), (1, 0), (0, 1), (1, 1)])
 def test_layer_policy_selects_exactly_the_fp8_weights(first, last):
-    params = init_params(ODD, jax.random.key(0), jnp.bfloat16)
-    q = quantize_params(params, ODD, LayerPolicy(bf16_first_layers=first, bf16_last_layers=last))
+    # which leaves are FP8 is structure: traced on abstract params (jax.eval_shape), no weight computed
+    params = jax.eval_shape(lambda: init_params(ODD, jax.random.key(0), jnp.bfloat16))
+    q = jax.eval_shape(lambda p: quantize_params(p, ODD, LayerPolicy(bf16_first_layers=first, bf16_last_layers=last)),
+                       params)
     for path, is_q in _kinds(q).items():
         layer = int(path.split("/")[1]) if path.startswith("layers/") else None
         in_fp8_layers = layer is not None and first <= layer < ODD.num_layers - last
@@ -87,8 +89,9 @@ def odd_model(tmp_path_factory):
 
 def test_quantize_cli_writes_the_hf_fp8_convention(odd_model, tmp_path, capsys):
     src, dst = odd_model / "bf16", tmp_path / "fp8"
-    proc = run_cli("quantize", "--model", str(src), "--out", str(dst), "--bf16-last-layers", "1")
-    assert proc.returncode == 0, proc.stderr
+    # in this process, as the score runs below (tests/test_cli.py runs the CLI as its own process)
+    rc, err = run_cli_here(capsys, "quantize", "--model", str(src), "--out", str(dst), "--bf16-last-layers", "1")
+    assert rc == 0, err
     cfg_src, cfg_dst = (json.loads((d / "config.json").read_text()) for d in (src, dst))
     assert cfg_dst.pop("quantization_config") == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                                   "weight_block_size": [128, 128]}
@@ -135,7 +138,7 @@ def test_quantize_cli_writes_the_hf_fp8_convention(odd_model, tmp_path, capsys):
     np.save(tmp_path / "in.npy", tokens)
     outs = {}
     for tag, model, mode in [("src", src, "w8a8"), ("fp8ckpt", dst, "w8a8"), ("fp8ckpt_none", dst, "none")]:
-        # in this process (same command, no interpreter start each); quantize above ran as its own process
+        # in this process (same command, no interpreter start each)
         rc, err = run_cli_here(capsys, "score", "--model", str(model), "--tokens", str(tmp_path / "in.npy"),
                                "--out", str(tmp_path / f"{tag}.npy"), "--fp8", mode, "--dtype", "float32")
         assert rc == 0, err

@@ -61,21 +61,22 @@ def test_logits_at_picks_one_position_per_row(cfg):
 
     rng = np.random.default_rng(5)
     params = init_params(cfg, jax.random.key(2), jnp.float32)
-    tokens = rng.integers(0, cfg.vocab_size, (3, 7)).astype(np.int32)
-    at = jnp.asarray(rng.integers(0, 7, 3), jnp.int32)
+    # [3, 14]: the shape of the full forward of test_cached_decode_equals_full_forward_ragged (one compile for both)
+    tokens = rng.integers(0, cfg.vocab_size, (3, 14)).astype(np.int32)
+    at = jnp.asarray(rng.integers(0, 14, 3), jnp.int32)
     full = np.asarray(jit_forward(params, tokens, config=cfg, policy=F32)[0])
     want = full[np.arange(3), np.asarray(at)][:, None]
     got = jit_forward(params, tokens, config=cfg, policy=F32, logits_at=at)[0]
     assert got.shape == (3, 1, cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    cache = bind(params, cfg, F32).init_cache(batch=3, max_len=8)
+    cache = bind(params, cfg, F32).init_cache(batch=3, max_len=16)
     got, cache = jit_forward(params, tokens, config=cfg, policy=F32, cache=cache, logits_at=at)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     if cfg.num_experts:
         got, _, experts = jax.jit(forward_with_routing, static_argnames=("config", "policy"))(
             params, tokens, config=cfg, policy=F32, logits_at=at)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-        assert experts.shape[:2] == (3, 7)
+        assert experts.shape[:2] == (3, 14)
     with pytest.raises(AssertionError):  # (raised while tracing)
         jit_forward(params, tokens, config=cfg, policy=F32, logits_at=at[:2])
 

@@ -31,7 +31,9 @@ SUMMARY_KEYS = {"eval_accuracy_before_rl", "eval_accuracy_after_rl", "train_rewa
 # Once a cell has imported the QUICKSTART preset, the runner sizes the preset's rollout engine for
 # the tiny run (16 sequences of up to 32 tokens) in the namespace: the preset's 256 slots and
 # 2k-page FP8 KV pool make every rollout take longer on the CPU (each FP8 decode step touches the
-# whole pool there), and no cell depends on them.
+# whole pool there), and no cell depends on them. It also cuts the model to one decoder layer:
+# the run's cost is XLA compiling the SFT, train, logprob and engine programs, which grows with
+# the depth, and the cells run the same code at any depth.
 RUNNER = r"""
 import ast, dataclasses, json, sys
 nb = json.load(open(sys.argv[1], encoding="utf-8"))
@@ -45,8 +47,8 @@ for i, cell in enumerate(code):
     exec(compile(tree, name, "exec"), ns)
     if not sized and "QUICKSTART" in ns:
         q = ns["QUICKSTART"]
-        ns["QUICKSTART"] = dataclasses.replace(q, rollout=dataclasses.replace(
-            q.rollout, max_slots=16, prefill_batch=16, kv_budget_gib=0.001))
+        ns["QUICKSTART"] = dataclasses.replace(q, model=dataclasses.replace(q.model, num_layers=1),
+            rollout=dataclasses.replace(q.rollout, max_slots=16, prefill_batch=16, kv_budget_gib=0.001))
         sized = True
     if last is not None:
         value = eval(compile(ast.Expression(last.value), name, "eval"), ns)
@@ -117,6 +119,7 @@ def test_notebook_runs_headless_in_tiny_mode(executed):
     n_code = sum(c["cell_type"] == "code" for c in _load()["cells"])
     assert all(f"[cell {i} ok]" in stdout for i in range(n_code))
     assert "tiny mode True" in stdout and "sweep arm: none none" in stdout and "rejected: " in stdout
+    assert re.search(r"^1 layers, D=", stdout, re.M)  # the runner's one-layer model reached the cells
 
     # the final summary: expected keys, sane values, the same as summary.json
     assert set(summary) == SUMMARY_KEYS

@@ -140,10 +140,23 @@ CASES = {
 }
 
 
+# Interpret mode compiles a large program per kernel shape and config (seconds each on the CPU): the interpret twin
+# runs the cases below, one of each config class; the GPU twin runs every case.
+# (fp8-bf16q-f16dots-split: its float16 dots and splits are fp8-bf16q-f16dots-words' too)
+INTERPRET_CASES = [name for name in CASES if name != "fp8-bf16q-f16dots-split"]
+# kv_heads_per_program > 1: all of K=2 heads (f32, bf16 HND, fp8 with 4 asked), and 2 of K=4 (fp8 word gathers, HND)
+SEVERAL_HEADS = [("f32-split4-ragged", 2, pa.KvLayout.NHD), ("bf16-nosplit", 2, pa.KvLayout.HND),
+                 ("fp8-bf16q-G3-split", 4, pa.KvLayout.NHD), ("fp8-kv4", 2, pa.KvLayout.HND)]
+SEVERAL_HEADS_GPU = SEVERAL_HEADS + [("fp8-bf16q-f16dots-words", 2, pa.KvLayout.HND), ("fp8-kv4", 4, pa.KvLayout.NHD)]
+# heads-fastest grids: word gathers (one head per program), and several heads per program with splits, HND
+HEADS_FASTEST = [("fp8-bf16q-f16dots-words", 1, pa.KvLayout.NHD), ("fp8-bf16q-G3-split", 2, pa.KvLayout.HND)]
+HEADS_FASTEST_GPU = HEADS_FASTEST + [("f32-split4-ragged", 1, pa.KvLayout.NHD), ("bf16-nosplit", 1, pa.KvLayout.NHD)]
+
+
 class TestPagedAttentionInterpret:
     INTERPRET = True
 
-    @pytest.mark.parametrize("name", list(CASES))
+    @pytest.mark.parametrize("name", INTERPRET_CASES)
     def test_vs_reference_and_float64(self, name):
         kw, lengths, cfg = CASES[name]
         args, q64, row_kv = make_case(len(name), lengths, **kw)
@@ -208,10 +221,7 @@ class TestPagedAttentionInterpret:
                                  table, lens, config=cfg, interpret=self.INTERPRET, layout=pa.KvLayout.HND)
         np.testing.assert_array_equal(np.asarray(hnd.astype(F32)), np.asarray(nhd.astype(F32)))
 
-    @pytest.mark.parametrize("name,heads,layout", [
-        ("f32-split4-ragged", 2, pa.KvLayout.NHD), ("bf16-nosplit", 2, pa.KvLayout.HND),
-        ("fp8-bf16q-G3-split", 4, pa.KvLayout.NHD), ("fp8-bf16q-f16dots-words", 2, pa.KvLayout.HND),
-        ("fp8-kv4", 4, pa.KvLayout.NHD), ("fp8-kv4", 2, pa.KvLayout.HND)])
+    @pytest.mark.parametrize("name,heads,layout", SEVERAL_HEADS)
     def test_several_kv_heads_per_program_give_the_same_bits(self, name, heads, layout):
         """kv_heads_per_program > 1 (the heads share a block loop and its page ids, each with its own
         softmax state) gives the bits of one head per program, splits and word gathers included; where
@@ -232,9 +242,7 @@ class TestPagedAttentionInterpret:
         np.testing.assert_array_equal(np.asarray(many.astype(F32)), np.asarray(one.astype(F32)))
         assert _max_rel(many, attention_f64(q64, row_kv, kw["K"])) < TOL_F64[kw["q_dtype"]]
 
-    @pytest.mark.parametrize("name,heads,layout", [
-        ("f32-split4-ragged", 1, pa.KvLayout.NHD), ("fp8-bf16q-f16dots-words", 1, pa.KvLayout.NHD),
-        ("fp8-bf16q-G3-split", 2, pa.KvLayout.HND), ("bf16-nosplit", 1, pa.KvLayout.NHD)])
+    @pytest.mark.parametrize("name,heads,layout", HEADS_FASTEST)
     def test_heads_fastest_launch_order_gives_the_same_bits(self, name, heads, layout):
         """The (kv heads, rows, splits) grid computes every program as the (rows, kv heads, splits) one
         does: the same bits, splits, word gathers and several heads per program included."""
@@ -285,7 +293,9 @@ class TestPagedAttentionInterpret:
                                   k_scale=jnp.array([0.02], F32), v_scale=jnp.array([0.01], F32))
             T0 = 17
             kv = lambda T: jnp.asarray(rng.standard_normal((B, T, K, H)), F32)
-            _, cache = cache.attend(0, jnp.zeros((B, T0, K * G, H), F32), kv(T0), kv(T0), jnp.array([3, 17, 9]))
+            # the prefill jitted: eagerly each of its ops would compile on its own
+            _, cache = jax.jit(lambda c, q, k, v, n: c.attend(0, q, k, v, n))(
+                cache, jnp.zeros((B, T0, K * G, H), F32), kv(T0), kv(T0), jnp.array([3, 17, 9]))
             cache = cache.advance(jnp.array([3, 17, 9]))
             q, k1, v1 = jnp.asarray(rng.standard_normal((B, 1, K * G, H)), F32), kv(1), kv(1)
             outs = {}
@@ -328,7 +338,21 @@ def _needle_fp8_error(context, *, seed, N, K, H, interpret, ps=16, bp=16):
 
 @pytest.mark.gpu
 class TestPagedAttentionGpu(TestPagedAttentionInterpret):
+    """Every case natively (the interpret twin runs a subset: see INTERPRET_CASES)."""
+
     INTERPRET = False
+
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_vs_reference_and_float64(self, name):
+        super().test_vs_reference_and_float64(name)
+
+    @pytest.mark.parametrize("name,heads,layout", SEVERAL_HEADS_GPU)
+    def test_several_kv_heads_per_program_give_the_same_bits(self, name, heads, layout):
+        super().test_several_kv_heads_per_program_give_the_same_bits(name, heads, layout)
+
+    @pytest.mark.parametrize("name,heads,layout", HEADS_FASTEST_GPU)
+    def test_heads_fastest_launch_order_gives_the_same_bits(self, name, heads, layout):
+        super().test_heads_fastest_launch_order_gives_the_same_bits(name, heads, layout)
 
 
 def test_reference_matches_dense_path():

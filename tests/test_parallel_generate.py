@@ -110,13 +110,13 @@ def _child(out_path: str) -> None:
         results[f"tp{tp}"]["q_o_specs"] = [list(q.sharding.spec), list(o.sharding.spec)]
         results[f"tp{tp}"]["num_pages"] = eng.num_pages
     mesh2 = make_mesh(MeshConfig(tensor=2), jax.devices()[:2])
-    # 48 tokens of KV for 4 slots of 16 to 30 tokens each (6 prompts): running 4 at once needs 8+ pages
+    # 48 tokens of KV for 4 slots of 16 to 30 tokens each (6 prompts): running 4 at once needs 8+ pages.
+    # Against the roomy one-device run: TP2 with recomputed prefixes vs one device that decoded them
+    # (a one-device preempting reference would cost its own compilations and add nothing: test_engine.py
+    # checks preemption against the roomy run on one device)
     tiny = dataclasses.replace(base, num_pages=6)
-    ref_tiny = run(JaxEngine(CFG, params, tiny))
     eng = JaxEngine(CFG, params, tiny, mesh=mesh2)
-    compare("tp2_preempt", run(eng), ref_tiny, eng)
-    results["tp2_preempt"]["ref_preemptions"] = int(ref_tiny[2])
-    compare("preempt_vs_roomy", ref_tiny, ref, eng)  # one device: recomputed prefixes vs decoded ones
+    compare("tp2_preempt", run(eng), ref, eng)
     # the RL loop's sync: trainer params FSDP-sharded over all 8 devices -> the generator's TP layout
     perturbed = jax.tree.map(lambda p: p * 1.01, params)
     ref_perturbed = run(JaxEngine(CFG, perturbed, base))
@@ -242,8 +242,7 @@ def test_generator_layout_and_pool_size(multi):
 
 def test_preemption_and_weight_sync_under_tp(multi):
     rec = multi["tp2_preempt"]
-    assert rec["preemptions"] > 0 and rec["ref_preemptions"] > 0
-    _assert_same_greedy(multi["preempt_vs_roomy"], multi["seed"])
+    assert rec["preemptions"] > 0  # and its tokens are the roomy one-device run's (test above)
     sync = multi["tp2_after_fsdp_sync"]
     assert sync["changed"] and set(sync["last_sync"]) == {"reshard_s", "quantize_s"}
     # params on the generator's devices move in one compiled program; from other devices leaf by leaf

@@ -124,11 +124,22 @@ def test_prompt_dataset_epochs_and_resumable_cursor():
 _jit_token_logprobs = jax.jit(token_logprobs, static_argnames=("config", "policy"))
 
 
+def _tiny(num_layers: int):
+    cfg = dataclasses.replace(tiny_qwen3, vocab_size=32, eos_token_ids=(1,), num_layers=num_layers)
+    return cfg, init_params(cfg, jax.random.key(0), jnp.float32)
+
+
 @pytest.fixture(scope="module")
 def tiny_setup():
-    cfg = dataclasses.replace(tiny_qwen3, vocab_size=32, eos_token_ids=(1,))
-    params = init_params(cfg, jax.random.key(0), jnp.float32)
-    return cfg, params
+    """One decoder layer: the stages do not depend on depth, and XLA's CPU compile of every engine and
+    trainer program (what these tests cost) grows with it."""
+    return _tiny(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_setup_two_layers():
+    """Two decoder layers, for what crosses layers (a later layer's KV scale moves with an earlier one)."""
+    return _tiny(2)
 
 
 def _engine(cfg, params, precision=Fp8Mode.NONE, dtype="float32", **kw):
@@ -189,8 +200,8 @@ def test_build_batch_rejects_bad_rewards(tiny_setup):
         score(ro, ["a", "b"], exact_match_reward, str)
 
 
-def test_sync_weights_trainer_side_kv_scales_follow_the_update(tiny_setup):
-    cfg, params = tiny_setup
+def test_sync_weights_trainer_side_kv_scales_follow_the_update(tiny_setup_two_layers):
+    cfg, params = tiny_setup_two_layers
     engine = _engine(cfg, params, precision=Fp8Mode.ALL, dtype="bfloat16", kv_calibration=KvCalibration.TRAINER)
     tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (4, 8)).astype(np.int32)
     lengths = np.array([8, 6, 5, 8], np.int32)

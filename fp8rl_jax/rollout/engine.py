@@ -66,6 +66,7 @@ import dataclasses
 import enum
 import functools
 import math
+import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -524,7 +525,7 @@ class JaxEngine:
                 self.cache = out[3]
                 done(f"prefill {P}x{T}{tag}", out)
             sampling, stops, remaining = self._slot_arrays([None] * B)
-            out = _decode(self.params, self.cache, *self._put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
+            out = decode_program()(self.params, self.cache, *self._put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
                           sampling, stops, remaining, steps=self.config.steps_per_call, truncation=trunc,
                           **self._static)
             self.cache = out[3]
@@ -834,9 +835,9 @@ class JaxEngine:
             last, active, cache_lengths = host_last, host_active, host_lengths
         self.cache = self.cache.replace(page_table=self._put(page_table), lengths=cache_lengths)
         t0 = time.perf_counter()
-        toks, lps, codes, self.cache, routing, state = _decode(self.params, self.cache, last, active, sampling, stops,
-                                                              remaining, steps=steps, truncation=self._truncation(reqs),
-                                                              **self._static)
+        toks, lps, codes, self.cache, routing, state = decode_program()(
+            self.params, self.cache, last, active, sampling, stops, remaining, steps=steps,
+            truncation=self._truncation(reqs), **self._static)
         host_s = time.perf_counter() - self._clock
         # KV tokens read (stats): each row running at the call's start reads its whole context every
         # step; for a continuing row the host's length lags by the chunk in flight (up to ``steps``)
@@ -1047,10 +1048,8 @@ def _prefill(params, cache, slot_ids, tokens, num_new, sampling, stops, remainin
     return tok, lp, code, cache, experts
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "model_config", "policy", "max_seq_len", "record_routing",
-                                             "draw", "truncation"), donate_argnums=(1,))
-def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, model_config, policy, max_seq_len,
-            record_routing=False, draw=Draw.INVERSE_CDF, truncation=None):
+def _decode_steps(params, cache, last, active, sampling, stops, remaining, *, steps, model_config, policy, max_seq_len,
+                  record_routing=False, draw=Draw.INVERSE_CDF, truncation=None):
     """``steps`` decode steps for every slot; finished or empty slots write nothing. With
     ``record_routing`` also returns the experts of the token each step fed in [B, steps, L_moe, k].
     The last element is the slots' state after the chunk (last token, still active, tokens left),
@@ -1077,3 +1076,20 @@ def _decode(params, cache, last, active, sampling, stops, remaining, *, steps, m
     carry = (cache, last, active, remaining, zeros, jnp.zeros((B, steps), jnp.float32), zeros, out_routing)
     cache, last, active, remaining, out_tok, out_lp, out_code, out_routing = jax.lax.fori_loop(0, steps, step, carry)
     return out_tok, out_lp, out_code, cache, out_routing, (last, active, remaining)
+
+
+_DECODE_JIT = dict(static_argnames=("steps", "model_config", "policy", "max_seq_len", "record_routing", "draw",
+                                    "truncation"), donate_argnums=(1,))
+# XLA:GPU's own split-K heuristic, as it runs by default.
+_decode_xla_split_k = jax.jit(_decode_steps, **_DECODE_JIT)
+# XLA:GPU splits the K of a GEMM whose M x N tiles fill fewer than ~1.5x the SMs into a batched cuBLAS GEMM plus a
+# float32 reduction kernel. At decode's 256 rows that is the BF16 o_proj, down_proj and fused q/k/v (session 23's HLO):
+# their partial sums make a round trip through HBM, and the reductions took 0.32 ms of an 8B kv step. cuBLAS picks
+# its own split-K inside one call instead. This is the program the engine runs.
+_decode = jax.jit(_decode_steps, **_DECODE_JIT, compiler_options={"xla_gpu_experimental_force_split_k": 1})
+
+
+def decode_program():
+    """The jitted decode program the engine runs: ``_decode``, or XLA's split-K heuristic
+    (``_decode_xla_split_k``) when ``FP8RL_XLA_SPLIT_K=1`` is in the environment (the A/B switch)."""
+    return _decode_xla_split_k if os.environ.get("FP8RL_XLA_SPLIT_K", "0") == "1" else _decode
