@@ -251,8 +251,8 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
     start_lengths = np.asarray(engine.cache.lengths)  # a host copy: the cache is donated to each call
 
     def call():
-        out = engine_mod.decode_program()(engine.params, engine.cache, *rest, steps=args.steps, truncation=truncation,
-                                 **engine._static)
+        out = engine_mod.decode_program()(engine.params, engine.cache, *rest, steps=args.steps,
+                                          truncation=truncation, **engine._static)
         # --hold: every call starts from the same lengths (it rewrites the same KV slots): one state, any repeats
         engine.cache = out[3].replace(lengths=jnp.asarray(start_lengths)) if args.hold else out[3]
         return jax.block_until_ready(out[0])
@@ -281,8 +281,8 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
     if jax.default_backend() == "gpu" and not args.no_trace:
         row["trace"] = traced(call, args.steps, args.trace_out, f"decode_{mode.value}")
         if args.hlo:  # what each top XLA kernel computes, from the program's optimized HLO
-            hlo = engine_mod.decode_program().lower(engine.params, engine.cache, *rest, steps=args.steps, truncation=truncation,
-                                           **engine._static).compile().as_text()
+            hlo = engine_mod.decode_program().lower(engine.params, engine.cache, *rest, steps=args.steps,
+                                                    truncation=truncation, **engine._static).compile().as_text()
             row["trace"]["top_kernels_hlo"] = fusion_hlo(hlo, list(row["trace"]["top_kernels_us_per_step"]))
             if args.hlo_out:  # the whole program, for kernels the top list's excerpts do not explain
                 args.hlo_out.mkdir(parents=True, exist_ok=True)

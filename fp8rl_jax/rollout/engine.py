@@ -525,9 +525,10 @@ class JaxEngine:
                 self.cache = out[3]
                 done(f"prefill {P}x{T}{tag}", out)
             sampling, stops, remaining = self._slot_arrays([None] * B)
-            out = decode_program()(self.params, self.cache, *self._put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
-                          sampling, stops, remaining, steps=self.config.steps_per_call, truncation=trunc,
-                          **self._static)
+            out = decode_program()(self.params, self.cache,
+                                   *self._put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
+                                   sampling, stops, remaining, steps=self.config.steps_per_call, truncation=trunc,
+                                   **self._static)
             self.cache = out[3]
             done(f"decode {B}x{self.config.steps_per_call}{tag}", out)
         if self.config.fp8_kv and self.config.kv_calibration is KvCalibration.INFERENCE:
