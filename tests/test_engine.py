@@ -393,3 +393,37 @@ def test_warmup_compiles_everything_and_changes_nothing():
         eng.warmup(min_prompt_len=0)
     with pytest.raises(ValueError, match="max_prompt_len"):
         eng.warmup(min_prompt_len=8, max_prompt_len=4)
+
+
+@pytest.mark.gpu
+def test_decode_program_keeps_xla_split_k_out():
+    """XLA:GPU splits the K of a BF16 GEMM whose tiles fill few SMs (Qwen3-8B's o_proj, down_proj and fused q/k/v at
+    256 rows) into a batched GEMM with float32 partial sums plus a reduction kernel (session 23: 0.32 ms of an 8B kv
+    decode step). The engine's decode program forbids it. One layer at Qwen3-8B's widths, 256 slots, mode kv (BF16
+    linears): the optimized HLO of XLA's heuristic has split GEMMs, that of `decode_program()` has none."""
+    import re
+
+    from configs.models import qwen3_8b
+    from fp8rl_jax.rollout import engine as engine_mod
+
+    cfg = dataclasses.replace(qwen3_8b, num_layers=1, vocab_size=8192, bos_token_id=None, eos_token_ids=(1,))
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    ec = EngineConfig(max_slots=256, page_size=16, num_pages=256 * 4 + 8, max_seq_len=64, steps_per_call=1,
+                      precision=Fp8Mode.KV, dtype="bfloat16")
+    engine = JaxEngine(cfg, params, ec)
+    B = ec.max_slots
+    sampling, stops, remaining = engine._slot_arrays([None] * B)
+    last, active = engine._put((np.zeros((B,), np.int32), np.ones((B,), bool)))
+
+    def gemms(program):
+        hlo = program.lower(engine.params, engine.cache, last, active, sampling, stops, remaining, steps=1,
+                            truncation=False, **engine._static).compile().as_text()
+        lines = [ln for ln in hlo.splitlines() if "custom_call_target=\"__cublas" in ln]
+        split = [ln for ln in lines if re.search(r"f32\[\d+,256,\d+\]", ln.split("custom-call(")[0])]
+        return lines, split
+
+    heuristic, heuristic_split = gemms(engine_mod._decode_xla_split_k)
+    ours, ours_split = gemms(engine_mod.decode_program())
+    assert engine_mod.decode_program() is engine_mod._decode
+    assert heuristic_split, "XLA's heuristic no longer splits these GEMMs: the forced option may be moot; recheck"
+    assert ours and not ours_split, ours_split

@@ -19,7 +19,7 @@ files=("$@")
 if [ ${#files[@]} -eq 0 ]; then
   files=(tests/test_cublaslt.py tests/test_fp8_gemm_mgpu.py tests/test_fp8_grouped_gemm.py
          tests/test_grouped_gemm_dense.py tests/test_kv_write.py tests/test_paged_attention.py
-         tests/test_pallas_kernels.py tests/test_prefill_attention.py tests/test_act_quant.py)
+         tests/test_pallas_kernels.py tests/test_prefill_attention.py tests/test_act_quant.py tests/test_engine.py)
 fi
 if [ "${GPU_WORKERS:-1}" -gt 1 ]; then
   frac=$(python -c "print(round(min(0.9, 3.6 / ${GPU_WORKERS}), 3))")
