@@ -277,10 +277,13 @@ def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampli
         "roofline_step_ms_at_mean_context": step_bytes / HBM_BPS * 1e3,
         "roofline_tokens_per_s": slots / (step_bytes / HBM_BPS),
         # every decode call in order: [ms per step, rows, mean context of a row at its start, host ms before its
-        # launch (JaxEngine.decode_log)], to set the step time along the run beside a profile of the same state
-        # (profile_decode.py --lengths equal --pages engine) and the host's time per call beside the device's
-        "decode_calls": [[round(s_ / cfg.engine.steps_per_call * 1e3, 3), n, round(c / max(n, 1), 1), round(h * 1e3, 2)]
-                         for s_, n, c, h in engine.decode_log],
+        # launch, rows the program ran (its decode bucket); JaxEngine.decode_log], to set the step time along the
+        # run beside a profile of the same state (profile_decode.py --lengths equal --pages engine) and the host's
+        # time per call beside the device's
+        "decode_calls": [[round(s_ / cfg.engine.steps_per_call * 1e3, 3), n, round(c / max(n, 1), 1), round(h * 1e3, 2),
+                          R] for s_, n, c, h, R in engine.decode_log],
+        "decode_buckets": list(cfg.engine.decode_rows),
+        "decode_rows_mean": st["decode_row_steps"] / steps,
         "gpu_during_run": gpu.summary(),
     }
 
@@ -454,6 +457,9 @@ if __name__ == "__main__":
     ap.add_argument("--no-overlap-host", action="store_true",
                     help="the synchronous host loop (EngineConfig.overlap_host=False), to measure what overlap saves")
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
+    ap.add_argument("--decode-buckets", type=int, nargs="*", default=None,
+                    help="EngineConfig.decode_buckets, the row counts a decode call may run (default: powers of two "
+                         "from 16); give --max-slots alone to decode every slot in every call (the A/B baseline)")
     ap.add_argument("--steps-per-call", type=int, default=BenchConfig.engine.steps_per_call)
     ap.add_argument("--prefill-batch", type=int, default=BenchConfig.engine.prefill_batch)
     ap.add_argument("--prompts", type=int, default=0, help="use only the first N prompts of the workload (0: all)")
@@ -498,7 +504,8 @@ if __name__ == "__main__":
                                  max_slots=a.max_slots, overlap_host=not a.no_overlap_host,
                                  fuse_projections={"auto": None, "on": True, "off": False}[a.fuse_projections],
                                  fp8_gemm=GemmBackend(a.fp8_gemm), fused_cast=a.fused_cast == "on",
-                                 sampling_draw=Draw(a.draw), **sizing)
+                                 sampling_draw=Draw(a.draw),
+                                 decode_buckets=tuple(a.decode_buckets) if a.decode_buckets else (), **sizing)
     model = PRESETS[a.preset]
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)

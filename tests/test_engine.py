@@ -105,6 +105,35 @@ def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw, which)
         np.testing.assert_allclose(other.logprobs, runs[0].logprobs, atol=1e-5)
 
 
+def test_decode_runs_the_smallest_row_bucket_holding_the_occupied_slots():
+    """``decode_buckets``: a decode call runs only the first R slots, R the smallest bucket holding
+    every occupied slot, and the requests' tokens and logprobs are those of an engine that always
+    decodes every slot. Slot 0 runs longest, so the calls go from 4 rows to 2 and then 1."""
+    cfg, rng = tiny_qwen3, np.random.default_rng(23)
+    params = init_params(cfg, jax.random.key(6), jnp.float32)
+    prompts = _prompts(rng, cfg.vocab_size, [5, 3, 8, 2])
+    sampling = [SamplingConfig(temperature=1.0, max_tokens=n, ignore_eos=True, seed=60 + i)
+                for i, n in enumerate([24, 12, 2, 6])]
+    assert WIDE.decode_rows == (WIDE.max_slots,)  # default buckets: powers of two from 16, none below 4 slots
+    full = JaxEngine(cfg, params, WIDE)
+    ref = full.generate(prompts, sampling)
+    eng = JaxEngine(cfg, params, dataclasses.replace(WIDE, decode_buckets=(2, 1)))
+    assert eng.config.decode_rows == (1, 2, 4)
+    out = eng.generate(prompts, sampling)
+    assert out.token_lists() == ref.token_lists() and out.lengths.tolist() == [24, 12, 2, 6]
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-6)
+    buckets = [entry[4] for entry in eng.decode_log]
+    assert buckets == sorted(buckets, reverse=True) and set(buckets) == {1, 2, 4}, buckets
+    assert {entry[4] for entry in full.decode_log} == {4}
+    assert eng.stats["decode_row_steps"] == sum(buckets) * WIDE.steps_per_call
+    assert eng.stats["decode_row_steps"] < full.stats["decode_row_steps"]
+    assert EngineConfig(max_slots=256).decode_rows == (16, 32, 64, 128, 256)
+    assert EngineConfig(max_slots=100).decode_rows == (16, 32, 64, 100)
+    for bad in ((0,), (5,), [2]):
+        with pytest.raises(ValueError, match="decode_buckets"):
+            dataclasses.replace(WIDE, decode_buckets=bad)
+
+
 def test_truncation_is_decided_on_the_host(monkeypatch):
     """Each device call compiles in whether any of its rows truncates (top-k / top-p) rather than
     branching on it: calls without such rows run the program without a device conditional (on
@@ -372,7 +401,7 @@ def test_warmup_compiles_everything_and_changes_nothing():
     sampling = SamplingConfig(temperature=0.8, max_tokens=12, ignore_eos=True, seed=4)
     # shapes no other test compiles (the jitted programs are module-level, their caches shared)
     ec = dataclasses.replace(F32, precision=Fp8Mode.KV, num_pages=9, steps_per_call=2, kv_calibration_prompts=3,
-                             prefill_buckets=(8, 16, 64))
+                             prefill_buckets=(8, 16, 64), decode_buckets=(1,))
     eng = JaxEngine(cfg, params, ec)
     before = jax.tree.map(np.array, eng.cache)
     assert eng.warmup(min_prompt_len=3, max_prompt_len=11) > 0
@@ -388,7 +417,8 @@ def test_warmup_compiles_everything_and_changes_nothing():
     eng.warmup(min_prompt_len=3, max_prompt_len=11, recompute=False, progress=lambda w, s: stages.append(w))
     # no recompute buckets: prefill buckets 8 and 16 only (bucket(11) = 16; max_seq_len's is 64)
     assert [w for w in stages if w.startswith("prefill")] == [f"prefill {ec.prefill_batch}x{t}" for t in (8, 16)]
-    assert any(w.startswith("decode") for w in stages) and any(w.startswith("kv calibration") for w in stages)
+    assert [w for w in stages if w.startswith("decode")] == ["decode 1x2", "decode 3x2"]  # every row bucket
+    assert any(w.startswith("kv calibration") for w in stages)
     with pytest.raises(ValueError, match="min_prompt_len"):
         eng.warmup(min_prompt_len=0)
     with pytest.raises(ValueError, match="max_prompt_len"):

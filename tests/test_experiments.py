@@ -63,9 +63,10 @@ def test_bench_rollout_tiny(tmp_path):
         # the decode attention's config is recorded (the CPU's: no table entry, the default)
         assert r["paged_attention"]["config"]["pages_per_block"] >= 1 and r["paged_attention"]["table"]
         # the decode calls, in order: their device time adds up to decode_s, rows and contexts lie within the run's
-        # slots and lengths, and each launch took host time
+        # slots and lengths, each launch took host time, and each ran a decode bucket holding its rows
         calls = np.asarray(r["decode_calls"], np.float64)
-        assert calls.ndim == 2 and calls.shape[1] == 4 and len(calls) >= 1 and (calls[:, 3] > 0).all()
+        assert calls.ndim == 2 and calls.shape[1] == 5 and len(calls) >= 1 and (calls[:, 3] > 0).all()
+        assert r["decode_buckets"] == [4] and (calls[:, 4] == 4).all() and r["decode_rows_mean"] == 4
         assert abs(calls[:, 0].sum() * engine.steps_per_call / 1e3 - r["decode_s"]) < 1e-5 * len(calls) + 1e-9
         assert ((calls[:, 1] >= 1) & (calls[:, 1] <= 4)).all() and ((calls[:, 2] >= 1) & (calls[:, 2] <= 32)).all()
     # the table's clock column: SM clock median and the share of samples under the power cap; n/a without samples

@@ -10,8 +10,11 @@ Design:
   truth for what each slot holds, so no device->host sync is needed except the sampled tokens.
 - Prefill: admitted requests run in groups of ``prefill_batch`` rows padded to a length bucket
   (compiles stay bounded by buckets x 1), on a view of the cache restricted to their slots.
-- Decode: one jitted call runs ``steps_per_call`` steps for all slots (``lax.fori_loop``), so
-  dispatch overhead is paid once per call, not per token. A finished slot stops writing (its
+- Decode: one jitted call runs ``steps_per_call`` steps (``lax.fori_loop``), so dispatch overhead
+  is paid once per call, not per token. It runs the first R slots only, R the smallest of
+  ``decode_buckets`` that holds every occupied slot (requests take the lowest free slot): its
+  GEMMs, lm_head and sampling cost R rows, not ``max_slots`` (one compilation per bucket): a
+  128-prompt rollout on a 256-slot engine runs 128 rows. A finished slot stops writing (its
   ``num_new`` is 0) until the host refills it. The call also returns the slots' end state (last
   token, active, tokens left), so with ``overlap_host`` (default) the next chunk is dispatched from
   it before the host reads this chunk's tokens: the host's bookkeeping runs while the device
@@ -154,6 +157,11 @@ class EngineConfig:
         rounds: the same float32 accumulation and rounding, without a kernel and a float32 write per GEMM
         (H200, Qwen3-8B at 256 rows, session 17 A/B on one machine: none step 22.70 -> 22.11 ms, kv
         17.04 -> 16.62). Default on.
+      decode_buckets: the row counts a decode call may run (each one compiled program); a call runs the
+        smallest that holds every occupied slot, and ``max_slots`` is always one. Empty (default): the
+        powers of two from 16 below ``max_slots``. Results do not depend on them (rows are independent).
+        Why: a decode step's GEMMs read the weights once whatever the rows, but at 256 rows BF16 they are
+        compute-bound; vLLM likewise runs CUDA graphs captured at the batch size in use.
       sampling_draw: how sampled rows draw their token (`fp8rl_jax.rollout.sampling.Draw`): the inverse
         CDF (default: one uniform per row) or Gumbel-max (V threefry numbers per row): the same
         distribution, other tokens for a seed. H200, Qwen3-8B kv decode at 256 rows (session 19, one
@@ -183,6 +191,7 @@ class EngineConfig:
     fp8_gemm: GemmBackend = GemmBackend.AUTO
     fused_cast: bool = True
     sampling_draw: Draw = Draw.INVERSE_CDF
+    decode_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -207,6 +216,17 @@ class EngineConfig:
             raise ValueError("EngineConfig needs 0 < kv_percentile <= 100, kv_margin > 0, kv_calibration_prompts >= 1")
         if not self.stall_timeout_s >= 0:
             raise ValueError(f"EngineConfig.stall_timeout_s must be >= 0 (0: off), got {self.stall_timeout_s}")
+        if not isinstance(self.decode_buckets, tuple) or not all(
+                isinstance(b, int) and 1 <= b <= self.max_slots for b in self.decode_buckets):
+            raise ValueError(f"EngineConfig.decode_buckets must be a tuple of ints in [1, max_slots = "
+                             f"{self.max_slots}], got {self.decode_buckets!r}")
+
+    @property
+    def decode_rows(self) -> tuple[int, ...]:
+        """The decode buckets in use, ascending, ``max_slots`` last (`decode_buckets`)."""
+        chosen = self.decode_buckets or tuple(1 << i for i in range(4, self.max_slots.bit_length())
+                                              if 1 << i < self.max_slots)
+        return tuple(sorted(set(chosen) | {self.max_slots}))
 
     @property
     def fp8_kv(self) -> bool:
@@ -249,6 +269,7 @@ class _Chunk:
     rows: int
     context: int
     host_s: float  # host seconds from the last device call's observed completion to this call's launch returning
+    bucket: int  # rows the decode program ran (EngineConfig.decode_buckets)
     device_s: float | None = None  # set when the host first waits for it
 
 
@@ -290,11 +311,11 @@ class JaxEngine:
         self.stats: dict[str, float] = {}  # of the last generate: device-call counts, seconds, tokens (``_run``)
         # of the last generate, one entry per decode call read, in order: (device seconds, rows running at its
         # start, context tokens they read at its first step, host seconds from the previous call's observed
-        # completion to this one's launch). Benchmarks compare its step time along a run with a profile of the
-        # same state. A call's device seconds run until the host observes its completion, so they include any
-        # time the GPU then waited for the next launch: with ``overlap_host``, the GPU waits only where a host
-        # time exceeds the device time of the call in flight.
-        self.decode_log: list[tuple[float, int, int, float]] = []
+        # completion to this one's launch, rows the program ran: its decode bucket). Benchmarks compare its step
+        # time along a run with a profile of the same state. A call's device seconds run until the host observes
+        # its completion, so they include any time the GPU then waited for the next launch: with ``overlap_host``,
+        # the GPU waits only where a host time exceeds the device time of the call in flight.
+        self.decode_log: list[tuple[float, int, int, float, int]] = []
         # called after every device call of a generate with a snapshot of its progress (``_progress``);
         # benchmarks use it to report throughput before a long run ends (or is cut)
         self.progress: Callable[[dict], None] | None = None
@@ -481,7 +502,7 @@ class JaxEngine:
                progress: Callable[[str, float], None] | None = None, recompute: bool = True,
                truncation: bool = False) -> float:
         """Compiles every program a generate can need, without changing the engine's state: the
-        decode loop, the prefill of every bucket from ``bucket(min_prompt_len)`` up to
+        decode loop of every row bucket (``EngineConfig.decode_buckets``), the prefill of every bucket from ``bucket(min_prompt_len)`` up to
         ``bucket(max_seq_len)`` (a sequence recomputed after preemption is prefilled at its whole
         context, up to ``max_seq_len``), and, for FP8 KV with inference-side calibration, the
         calibration forward of the prompt buckets up to ``bucket(max_prompt_len)`` (default
@@ -525,12 +546,13 @@ class JaxEngine:
                 self.cache = out[3]
                 done(f"prefill {P}x{T}{tag}", out)
             sampling, stops, remaining = self._slot_arrays([None] * B)
-            out = decode_program()(self.params, self.cache,
-                                   *self._put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
-                                   sampling, stops, remaining, steps=self.config.steps_per_call, truncation=trunc,
-                                   **self._static)
-            self.cache = out[3]
-            done(f"decode {B}x{self.config.steps_per_call}{tag}", out)
+            for R in self.config.decode_rows:
+                out = decode_program()(self.params, self.cache,
+                                       *self._put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
+                                       sampling, stops, remaining, steps=self.config.steps_per_call, truncation=trunc,
+                                       rows=R, **self._static)
+                self.cache = out[3]
+                done(f"decode {R}x{self.config.steps_per_call}{tag}", out)
         if self.config.fp8_kv and self.config.kv_calibration is KvCalibration.INFERENCE:
             n = self.config.kv_calibration_prompts
             for T in (b for b in buckets if b <= self._bucket(top)):
@@ -639,7 +661,7 @@ class JaxEngine:
         self._preemptions = 0
         self._routing_mismatches = 0
         self.stats = dict.fromkeys(("prefill_calls", "prefill_tokens", "prefill_s", "decode_calls", "decode_steps",
-                                    "decode_s", "decode_slot_steps", "decode_kv_tokens"), 0)
+                                    "decode_s", "decode_slot_steps", "decode_row_steps", "decode_kv_tokens"), 0)
         self.decode_log = []
         # device work completes in dispatch order: each call's device time runs from the later of its
         # dispatch and the previous call's observed completion to its own (``_completed``)
@@ -835,16 +857,22 @@ class JaxEngine:
         else:
             last, active, cache_lengths = host_last, host_active, host_lengths
         self.cache = self.cache.replace(page_table=self._put(page_table), lengths=cache_lengths)
+        rows = self._bucket_rows(reqs)
         t0 = time.perf_counter()
         toks, lps, codes, self.cache, routing, state = decode_program()(
             self.params, self.cache, last, active, sampling, stops, remaining, steps=steps,
-            truncation=self._truncation(reqs), **self._static)
+            truncation=self._truncation(reqs), rows=rows, **self._static)
         host_s = time.perf_counter() - self._clock
         # KV tokens read (stats): each row running at the call's start reads its whole context every
         # step; for a continuing row the host's length lags by the chunk in flight (up to ``steps``)
         ctx = int(lengths[host_active].sum()) + int(cont.sum()) * steps
         return _Chunk(t0, reqs, [r.epoch if r is not None else 0 for r in reqs], (toks, lps, codes, routing), state,
-                      int(host_active.sum()), ctx, host_s)
+                      int(host_active.sum()), ctx, host_s, rows)
+
+    def _bucket_rows(self, reqs: list[_Request | None]) -> int:
+        """The smallest decode bucket holding every occupied slot."""
+        top = max((s + 1 for s, r in enumerate(reqs) if r is not None), default=1)
+        return next(b for b in self.config.decode_rows if b >= top)
 
     def _finish_decode(self, chunk: _Chunk, slots, lengths) -> None:
         """Reads a dispatched chunk's tokens into its requests: those still in their slot and not
@@ -856,8 +884,9 @@ class JaxEngine:
         toks, lps, codes = np.asarray(toks), np.asarray(lps), np.asarray(codes)
         n = chunk.rows
         self._count(decode_calls=1, decode_steps=steps, decode_s=chunk.device_s, decode_slot_steps=n * steps,
+                    decode_row_steps=chunk.bucket * steps,
                     decode_kv_tokens=steps * chunk.context + n * steps * (steps + 1) // 2)
-        self.decode_log.append((chunk.device_s, n, chunk.context, chunk.host_s))
+        self.decode_log.append((chunk.device_s, n, chunk.context, chunk.host_s, chunk.bucket))
         routing = None if routing is None else np.asarray(routing)
         for s in range(B):
             r = chunk.reqs[s]
@@ -1079,15 +1108,37 @@ def _decode_steps(params, cache, last, active, sampling, stops, remaining, *, st
     return out_tok, out_lp, out_code, cache, out_routing, (last, active, remaining)
 
 
+def _decode_rows(params, cache, last, active, sampling, stops, remaining, *, rows=None, **kw):
+    """`_decode_steps` on the first ``rows`` slots only (None: all), the others untouched: their
+    outputs are empty (token 0, logprob 0, no finish code, routing -1) and their state is returned as
+    given. The slots past ``rows`` must be idle (``active`` False): they are not computed."""
+    B = last.shape[0]
+    if rows is None or rows >= B:
+        return _decode_steps(params, cache, last, active, sampling, stops, remaining, **kw)
+    head = lambda x: x[:rows]  # noqa: E731
+    view = cache.replace(page_table=cache.page_table[:rows], lengths=cache.lengths[:rows])
+    toks, lps, codes, view, routing, state = _decode_steps(
+        params, view, head(last), head(active), jax.tree.map(head, sampling), head(stops), head(remaining), **kw)
+
+    def pad(x, fill):
+        return jnp.concatenate([x, jnp.full((B - rows, *x.shape[1:]), fill, x.dtype)])
+
+    cache = cache.replace(k_pages=view.k_pages, v_pages=view.v_pages,
+                          lengths=jax.lax.dynamic_update_slice(cache.lengths, view.lengths, (0,)))
+    state = tuple(jnp.concatenate([new, old[rows:]]) for new, old in zip(state, (last, active, remaining)))
+    return (pad(toks, 0), pad(lps, 0.0), pad(codes, 0), cache, None if routing is None else pad(routing, -1),
+            state)
+
+
 _DECODE_JIT = dict(static_argnames=("steps", "model_config", "policy", "max_seq_len", "record_routing", "draw",
-                                    "truncation"), donate_argnums=(1,))
+                                    "truncation", "rows"), donate_argnums=(1,))
 # XLA:GPU's own split-K heuristic, as it runs by default.
-_decode_xla_split_k = jax.jit(_decode_steps, **_DECODE_JIT)
+_decode_xla_split_k = jax.jit(_decode_rows, **_DECODE_JIT)
 # XLA:GPU splits the K of a GEMM whose M x N tiles fill fewer than ~1.5x the SMs into a batched cuBLAS GEMM plus a
 # float32 reduction kernel. At decode's 256 rows that is the BF16 o_proj, down_proj and fused q/k/v (session 23's HLO):
 # their partial sums make a round trip through HBM, and the reductions took 0.32 ms of an 8B kv step. cuBLAS picks
 # its own split-K inside one call instead. This is the program the engine runs.
-_decode = jax.jit(_decode_steps, **_DECODE_JIT, compiler_options={"xla_gpu_experimental_force_split_k": 1})
+_decode = jax.jit(_decode_rows, **_DECODE_JIT, compiler_options={"xla_gpu_experimental_force_split_k": 1})
 
 
 def decode_program():
