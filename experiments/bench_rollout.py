@@ -284,6 +284,7 @@ def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampli
                           R] for s_, n, c, h, R in engine.decode_log],
         "decode_buckets": list(cfg.engine.decode_rows),
         "decode_rows_mean": st["decode_row_steps"] / steps,
+        "slot_moves": st["slot_moves"],
         "gpu_during_run": gpu.summary(),
     }
 

@@ -108,7 +108,8 @@ def test_results_do_not_depend_on_slots_pages_or_chunking(sampling, draw, which)
 def test_decode_runs_the_smallest_row_bucket_holding_the_occupied_slots():
     """``decode_buckets``: a decode call runs only the first R slots, R the smallest bucket holding
     every occupied slot, and the requests' tokens and logprobs are those of an engine that always
-    decodes every slot. Slot 0 runs longest, so the calls go from 4 rows to 2 and then 1."""
+    decodes every slot. Slot 0 runs longest, so the calls go from 4 rows to 2 and then 1; then a
+    request in a high slot outlives the low ones and moves down (``_compact``)."""
     cfg, rng = tiny_qwen3, np.random.default_rng(23)
     params = init_params(cfg, jax.random.key(6), jnp.float32)
     prompts = _prompts(rng, cfg.vocab_size, [5, 3, 8, 2])
@@ -132,6 +133,17 @@ def test_decode_runs_the_smallest_row_bucket_holding_the_occupied_slots():
     for bad in ((0,), (5,), [2]):
         with pytest.raises(ValueError, match="decode_buckets"):
             dataclasses.replace(WIDE, decode_buckets=bad)
+    assert eng.stats["slot_moves"] == 0
+    # slot 3 outlives slots 0 and 2: it moves to slot 0 (a chunk in flight for it continues there), so the
+    # calls still go down to 2 rows and 1
+    moved = [dataclasses.replace(sampling[i], max_tokens=n) for i, n in enumerate([2, 12, 6, 24])]
+    ref = full.generate(prompts, moved)
+    out = eng.generate(prompts, moved)
+    assert eng.stats["slot_moves"] == 1 and full.stats["slot_moves"] == 0
+    assert out.token_lists() == ref.token_lists() and out.lengths.tolist() == [2, 12, 6, 24]
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-6)
+    buckets = [entry[4] for entry in eng.decode_log]
+    assert buckets == sorted(buckets, reverse=True) and set(buckets) == {1, 2, 4}, buckets
 
 
 def test_truncation_is_decided_on_the_host(monkeypatch):

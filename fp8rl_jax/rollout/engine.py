@@ -12,14 +12,16 @@ Design:
   (compiles stay bounded by buckets x 1), on a view of the cache restricted to their slots.
 - Decode: one jitted call runs ``steps_per_call`` steps (``lax.fori_loop``), so dispatch overhead
   is paid once per call, not per token. It runs the first R slots only, R the smallest of
-  ``decode_buckets`` that holds every occupied slot (requests take the lowest free slot): its
-  GEMMs, lm_head and sampling cost R rows, not ``max_slots`` (one compilation per bucket): a
-  128-prompt rollout on a 256-slot engine runs 128 rows. A finished slot stops writing (its
-  ``num_new`` is 0) until the host refills it. The call also returns the slots' end state (last
-  token, active, tokens left), so with ``overlap_host`` (default) the next chunk is dispatched from
-  it before the host reads this chunk's tokens: the host's bookkeeping runs while the device
-  decodes. Pages are then reserved for two chunks ahead; a request preempted while a chunk was in
-  flight for it (its ``epoch`` moved) has that chunk's tokens dropped and recomputed, identically.
+  ``decode_buckets`` that holds every occupied slot: its GEMMs, lm_head and sampling cost R rows,
+  not ``max_slots`` (one compilation per bucket), so a 128-prompt rollout on a 256-slot engine
+  runs 128 rows. Requests take the lowest free slot, and when the running ones fit a smaller
+  bucket, those above it move down into free slots (`_compact`: host bookkeeping only, the KV
+  stays in its pages). A finished slot stops writing (its ``num_new`` is 0) until the host
+  refills it. The call also returns the slots' end state (last token, active, tokens left), so
+  with ``overlap_host`` (default) the next chunk is dispatched from it before the host reads this
+  chunk's tokens: the host's bookkeeping runs while the device decodes. Pages are then reserved
+  for two chunks ahead; a request preempted while a chunk was in flight for it (its ``epoch``
+  moved) has that chunk's tokens dropped and recomputed, identically.
   Device lengths are kept on the device (prefill sets its rows, decode advances them); the host
   sends them only for rows that do not continue from the previous chunk.
 - Pages: before each decode call every running slot holds pages for ``steps_per_call`` more
@@ -501,20 +503,20 @@ class JaxEngine:
     def warmup(self, min_prompt_len: int = 1, max_prompt_len: int | None = None,
                progress: Callable[[str, float], None] | None = None, recompute: bool = True,
                truncation: bool = False) -> float:
-        """Compiles every program a generate can need, without changing the engine's state: the
-        decode loop of every row bucket (``EngineConfig.decode_buckets``), the prefill of every bucket from ``bucket(min_prompt_len)`` up to
-        ``bucket(max_seq_len)`` (a sequence recomputed after preemption is prefilled at its whole
-        context, up to ``max_seq_len``), and, for FP8 KV with inference-side calibration, the
-        calibration forward of the prompt buckets up to ``bucket(max_prompt_len)`` (default
-        ``max_seq_len``). Otherwise each compiles at its first use, inside a generate (seconds to
-        tens of seconds each at 8B scale). Every call is made with padding rows only (out-of-range
-        slots, no token), which write nothing. ``progress(program, seconds)`` is called after each
-        program (compile and one run). ``recompute=False`` stops the prefill buckets at
-        ``bucket(max_prompt_len)``: right when no preemption can happen (every request fits at
-        ``max_seq_len`` at once, see ``sequences_that_fit``), and it saves a compile per bucket
-        (15-25 s each at 8B scale). The prefill and decode programs are those of calls without
-        top-k / top-p rows (each call's truncation is decided on the host, `_truncation`);
-        ``truncation=True`` compiles those of calls with such rows too. Returns the seconds spent."""
+        """Compiles every program a generate can need, without changing the engine's state: the decode loop
+        of every row bucket (``EngineConfig.decode_buckets``), the prefill of every bucket from
+        ``bucket(min_prompt_len)`` up to ``bucket(max_seq_len)`` (a sequence recomputed after preemption is
+        prefilled at its whole context, up to ``max_seq_len``), and, for FP8 KV with inference-side
+        calibration, the calibration forward of the prompt buckets up to ``bucket(max_prompt_len)`` (default
+        ``max_seq_len``). Otherwise each compiles at its first use, inside a generate (seconds to tens of
+        seconds each at 8B scale). Every call is made with padding rows only (out-of-range slots, no token),
+        which write nothing. ``progress(program, seconds)`` is called after each program (compile and one
+        run). ``recompute=False`` stops the prefill buckets at ``bucket(max_prompt_len)``: right when no
+        preemption can happen (every request fits at ``max_seq_len`` at once, see ``sequences_that_fit``),
+        and it saves a compile per bucket (15-25 s each at 8B scale). The prefill and decode programs are
+        those of calls without top-k / top-p rows (each call's truncation is decided on the host,
+        `_truncation`); ``truncation=True`` compiles those of calls with such rows too. Returns the seconds
+        spent."""
         if not 1 <= min_prompt_len <= self.max_seq_len:
             raise ValueError(f"min_prompt_len must be in [1, max_seq_len = {self.max_seq_len}], got {min_prompt_len}")
         top = self.max_seq_len if max_prompt_len is None else max_prompt_len
@@ -661,7 +663,8 @@ class JaxEngine:
         self._preemptions = 0
         self._routing_mismatches = 0
         self.stats = dict.fromkeys(("prefill_calls", "prefill_tokens", "prefill_s", "decode_calls", "decode_steps",
-                                    "decode_s", "decode_slot_steps", "decode_row_steps", "decode_kv_tokens"), 0)
+                                    "decode_s", "decode_slot_steps", "decode_row_steps", "decode_kv_tokens",
+                                    "slot_moves"), 0)
         self.decode_log = []
         # device work completes in dispatch order: each call's device time runs from the later of its
         # dispatch and the previous call's observed completion to its own (``_completed``)
@@ -732,6 +735,7 @@ class JaxEngine:
                         queue.appendleft(out)
                         self._preemptions += 1
                 if any(s is not None for s in slots):
+                    self._compact(slots, pages, page_table, lengths, admitted_order)
                     chunk = self._dispatch_decode(slots, page_table, lengths, pending)
             if not self.config.overlap_host:  # read the chunk just dispatched now (nothing is in flight)
                 pending, chunk = chunk, None
@@ -845,15 +849,22 @@ class JaxEngine:
         sampling, stops, remaining = self._slot_arrays(reqs)
         host_last = np.array([r.last_token if r is not None else 0 for r in reqs], np.int32)
         host_active = np.array([r is not None for r in reqs])
-        cont = np.array([pending is not None and r is not None and pending.reqs[s] is r
-                         and pending.epochs[s] == r.epoch for s, r in enumerate(reqs)])
+        # where each slot's request ran in ``pending`` (-1: it did not, or was preempted since); a request
+        # `_compact` moved continues from its old row
+        was = {} if pending is None else {id(r): s for s, r in enumerate(pending.reqs) if r is not None}
+        src = np.array([was.get(id(r), -1) if r is not None else -1 for r in reqs], np.int32)
+        src = np.where([s >= 0 and pending.epochs[s] == r.epoch for s, r in zip(src, reqs)], src, -1)
+        cont = src >= 0
         host_lengths, host_last, host_active = self._put((np.asarray(lengths), host_last, host_active))
         if cont.any():
             dev_last, dev_active, dev_remaining = pending.state
-            c = self._put(cont)
-            last, active = jnp.where(c, dev_last, host_last), jnp.where(c, dev_active, host_active)
-            remaining = jnp.where(c, dev_remaining, remaining)
-            cache_lengths = jnp.where(c, self.cache.lengths, host_lengths)
+            c, g = self._put((cont, np.maximum(src, 0)))
+            if (src == np.arange(len(reqs)))[cont].all():  # nothing moved: no gather
+                g = None
+            take = (lambda x: x) if g is None else (lambda x: jnp.take(x, g, axis=0))  # noqa: E731
+            last, active = jnp.where(c, take(dev_last), host_last), jnp.where(c, take(dev_active), host_active)
+            remaining = jnp.where(c, take(dev_remaining), remaining)
+            cache_lengths = jnp.where(c, take(self.cache.lengths), host_lengths)
         else:
             last, active, cache_lengths = host_last, host_active, host_lengths
         self.cache = self.cache.replace(page_table=self._put(page_table), lengths=cache_lengths)
@@ -868,6 +879,25 @@ class JaxEngine:
         ctx = int(lengths[host_active].sum()) + int(cont.sum()) * steps
         return _Chunk(t0, reqs, [r.epoch if r is not None else 0 for r in reqs], (toks, lps, codes, routing), state,
                       int(host_active.sum()), ctx, host_s, rows)
+
+    def _compact(self, slots, pages, page_table, lengths, admitted_order) -> None:
+        """Moves requests from slots at or past the decode bucket their number needs into free slots
+        below it, so a decode call runs that bucket (the KV stays in its pages: a move is the host's
+        page-table row, length and slot bookkeeping). A request with a chunk in flight continues from
+        that chunk's device state at its new row (`_dispatch_decode`)."""
+        occupied = [s for s, r in enumerate(slots) if r is not None]
+        R = next(b for b in self.config.decode_rows if b >= len(occupied))
+        if not occupied or occupied[-1] < R:
+            return
+        holes = [s for s in range(R) if slots[s] is None]
+        for src in (s for s in occupied if s >= R):
+            dst = holes.pop(0)
+            slots[dst], slots[src] = slots[src], None
+            pages[dst], pages[src] = pages[src], []
+            page_table[dst] = page_table[src]
+            lengths[dst], lengths[src] = lengths[src], 0
+            admitted_order[admitted_order.index(src)] = dst
+            self._count(slot_moves=1)
 
     def _bucket_rows(self, reqs: list[_Request | None]) -> int:
         """The smallest decode bucket holding every occupied slot."""
@@ -888,9 +918,10 @@ class JaxEngine:
                     decode_kv_tokens=steps * chunk.context + n * steps * (steps + 1) // 2)
         self.decode_log.append((chunk.device_s, n, chunk.context, chunk.host_s, chunk.bucket))
         routing = None if routing is None else np.asarray(routing)
+        where = {id(r): s for s, r in enumerate(slots) if r is not None}  # `_compact` may have moved a request
         for s in range(B):
             r = chunk.reqs[s]
-            if r is None or slots[s] is not r or r.epoch != chunk.epochs[s] or r.finish is not None:
+            if r is None or id(r) not in where or r.epoch != chunk.epochs[s] or r.finish is not None:
                 continue
             done = np.flatnonzero(codes[s])
             n_new = int(done[0]) + 1 if done.size else steps
@@ -902,7 +933,7 @@ class JaxEngine:
             r.logprobs.extend(lps[s, :n_new].tolist())
             if done.size:
                 r.finish = _FINISH_CODES[int(codes[s, done[0]])]
-            lengths[s] += n_new
+            lengths[where[id(r)]] += n_new
 
     def _progress(self, requests: list[_Request], queued: int, running: int) -> None:
         """Calls ``self.progress`` (if set) with this generate's counters so far: the ``stats`` keys,
