@@ -858,10 +858,12 @@ class JaxEngine:
         host_lengths, host_last, host_active = self._put((np.asarray(lengths), host_last, host_active))
         if cont.any():
             dev_last, dev_active, dev_remaining = pending.state
-            c, g = self._put((cont, np.maximum(src, 0)))
-            if (src == np.arange(len(reqs)))[cont].all():  # nothing moved: no gather
-                g = None
-            take = (lambda x: x) if g is None else (lambda x: jnp.take(x, g, axis=0))  # noqa: E731
+            c = self._put(cont)
+            if (src == np.arange(len(reqs)))[cont].all():  # nothing moved (the usual call): no gather
+                take = lambda x: x  # noqa: E731
+            else:
+                g = self._put(np.maximum(src, 0))
+                take = lambda x: jnp.take(x, g, axis=0)  # noqa: E731
             last, active = jnp.where(c, take(dev_last), host_last), jnp.where(c, take(dev_active), host_active)
             remaining = jnp.where(c, take(dev_remaining), remaining)
             cache_lengths = jnp.where(c, take(self.cache.lengths), host_lengths)
