@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from fp8rl_jax.environment import GpuMonitor, enable_compilation_cache, run_environment  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params  # noqa: E402
-from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
+from fp8rl_jax.quant.policy import GemmBackend, describe_cublaslt_algos  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig  # noqa: E402
 from fp8rl_jax.rollout.watchdog import StallWatchdog  # noqa: E402
@@ -234,6 +234,7 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
                 # the decode attention's table and config for this mode's pool dtype (on a GPU)
                 "paged_attention": paged_kernel.describe_config(engine.kv_dtype),
                 "fp8_gemm": cfg.engine.fp8_gemm.describe() if mode.fp8_weights else None,  # Mosaic, cuBLASLt or per shape
+                "cublaslt_algos": describe_cublaslt_algos() if mode.fp8_weights else None,
                 "full_length_sequences_that_fit": engine.sequences_that_fit,
                 "repeats": len(runs),
                 "tokens_per_s_all": [r["tokens_per_s"] for r in runs],

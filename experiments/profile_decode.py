@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.environment import GpuMonitor, run_environment  # noqa: E402
 from fp8rl_jax.models import Fp8Mode, init_params  # noqa: E402
-from fp8rl_jax.quant.policy import GemmBackend  # noqa: E402
+from fp8rl_jax.quant.policy import GemmBackend, describe_cublaslt_algos  # noqa: E402
 from fp8rl_jax.rollout import engine as engine_mod  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig  # noqa: E402
@@ -275,6 +275,7 @@ def run_mode(args, params, mode: Fp8Mode) -> dict:
     kv_bytes = args.batch * mean_ctx * kv_token
     roof_ms = (weight_bytes + kv_bytes) / HBM_BPS * 1e3
     row = {"mode": mode.value, "paged_attention": paged_kernel.describe_config(engine.kv_dtype),
+           "cublaslt_algos": describe_cublaslt_algos() if mode.fp8_weights else None,
            "compile_s": compile_s, "call_s": times, "step_ms": step_ms,
            "tokens_per_s": args.batch / step_ms * 1e3, "weight_gb": weight_bytes / 1e9, "kv_gb_per_step": kv_bytes / 1e9,
            "roofline_step_ms": roof_ms, "hbm_fraction": roof_ms / step_ms, "gpu_during_calls": gpu.summary()}

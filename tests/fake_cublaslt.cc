@@ -105,9 +105,13 @@ int cublasLtMatmulPreferenceSetAttribute(Pref* p, int attr, const void* buf, siz
   std::memcpy(&p->max_workspace, buf, size);
   return 0;
 }
-// An algorithm exists for what Hopper's block-scaled FP8 takes: TN, E4M3 x E4M3, A scaled 128x128 or 1x128,
+// Algorithms exist for what Hopper's block-scaled FP8 takes: TN, E4M3 x E4M3, A scaled 128x128 or 1x128,
 // B scaled 1x128, both K-major with the same K, D = C. Like the real library, a block scale mode without its scale
-// pointer already set is an invalid value (status 7) at the heuristic query, not only at the matmul.
+// pointer already set is an invalid value (status 7) at the heuristic query, not only at the matmul. It offers
+// kAlgos of them (min(requested)); algo words: [0] 1 + the algorithm's rank, [1] tile id (10 + rank), [2] K splits,
+// [3] reduction scheme. Splits 1-16 are accepted with a reduction scheme (NONE for 1), except by the last algorithm,
+// which takes none (the refusal path of the handler).
+constexpr int kAlgos = 3;
 int cublasLtMatmulAlgoGetHeuristic(void*, Desc* d, Layout* a, Layout* b, Layout* c, Layout* dl, Pref* p, int requested,
                                    Heuristic* result, int* found) {
   if (d->a_scale == nullptr || d->b_scale == nullptr) return kInvalid;
@@ -115,13 +119,41 @@ int cublasLtMatmulAlgoGetHeuristic(void*, Desc* d, Layout* a, Layout* b, Layout*
                   (d->a_mode == 5 || d->a_mode == 4) && d->b_mode == 4 && c == dl && dl->rows == a->cols &&
                   dl->cols == b->cols && (dl->type == 14 || dl->type == 0) && requested >= 1 &&
                   p->max_workspace >= kWorkspace;
-  *found = ok ? 1 : 0;
-  if (ok) {
-    std::memset(result, 0, sizeof(Heuristic));
-    result->workspace = kWorkspace;
+  *found = ok ? (requested < kAlgos ? requested : kAlgos) : 0;
+  for (int i = 0; i < *found; ++i) {
+    std::memset(&result[i], 0, sizeof(Heuristic));
+    result[i].algo[0] = 1 + i;
+    result[i].algo[1] = 10 + i;
+    result[i].algo[2] = 1;
+    result[i].workspace = kWorkspace;
+    result[i].waves = 0.25f * (i + 1);
   }
   return 0;
 }
+int cublasLtMatmulAlgoConfigSetAttribute(uint64_t* algo, int attr, const void* buf, size_t size) {
+  if ((attr != 2 && attr != 3) || size != sizeof(uint32_t)) return kInvalid;
+  uint32_t v;
+  std::memcpy(&v, buf, size);
+  algo[attr] = v;
+  return 0;
+}
+int cublasLtMatmulAlgoConfigGetAttribute(const uint64_t* algo, int attr, void* buf, size_t size, size_t* written) {
+  if (size != sizeof(uint32_t)) return kInvalid;
+  const uint32_t v = attr == 1 ? static_cast<uint32_t>(algo[1]) : attr == 2 ? static_cast<uint32_t>(algo[2])
+                     : attr == 3 ? static_cast<uint32_t>(algo[3]) : 0;
+  std::memcpy(buf, &v, size);
+  if (written != nullptr) *written = size;
+  return 0;
+}
+int cublasLtMatmulAlgoCheck(void*, Desc*, Layout*, Layout*, Layout*, Layout*, const uint64_t* algo, Heuristic* result) {
+  const uint64_t splits = algo[2], scheme = algo[3];
+  const bool ok = algo[0] != kAlgos && splits >= 1 && splits <= 16 && ((splits == 1) == (scheme == 0));
+  std::memset(result, 0, sizeof(Heuristic));
+  result->state = ok ? 0 : kInvalid;
+  result->workspace = kWorkspace;
+  return ok ? 0 : kInvalid;
+}
+uint64_t g_last_algo[4] = {0, 0, 0, 0};
 int cublasLtMatmul(void*, Desc* d, const void* alpha, const void* A, Layout* la, const void* B, Layout* lb,
                    const void* beta, const void* C, Layout* lc, void* D, Layout* ld, const void* algo, void* workspace,
                    size_t workspace_size, void*) {
@@ -150,8 +182,11 @@ int cublasLtMatmul(void*, Desc* d, const void* alpha, const void* A, Layout* la,
         static_cast<uint16_t*>(D)[m * ld->ld + n] = Bf16(v);
     }
   }
+  std::memcpy(g_last_algo, algo, sizeof(g_last_algo));
   ++g_matmuls;
   return 0;
 }
 int fake_cublaslt_matmuls() { return g_matmuls; }
+// The words [0..3] of the algorithm the last matmul ran (rank + 1, tile, K splits, reduction scheme).
+void fake_cublaslt_last_algo(uint64_t* out) { std::memcpy(out, g_last_algo, sizeof(g_last_algo)); }
 }

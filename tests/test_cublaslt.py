@@ -49,10 +49,7 @@ def _load_copy(build_dir: Path, tmp_path: Path, library: str) -> ctypes.CDLL:
     tmp_path.mkdir(parents=True, exist_ok=True)
     copy = tmp_path / "libfp8rl_cublaslt_copy.so"
     shutil.copyfile(cublaslt.build(build_dir), copy)
-    lib = ctypes.CDLL(str(copy))
-    lib.fp8rl_cublaslt_set_library.argtypes = [ctypes.c_char_p]
-    lib.fp8rl_cublaslt_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    lib.fp8rl_cublaslt_load.restype = ctypes.c_size_t
+    lib = cublaslt.declare(ctypes.CDLL(str(copy)))
     lib.fp8rl_cublaslt_set_library(library.encode())
     return lib
 
@@ -148,7 +145,36 @@ def test_handler_against_a_host_cublaslt_stand_in(handler_build, tmp_path):
     fake_lib = ctypes.CDLL(str(fake))
     with jax.default_device(jax.devices("cpu")[0]):  # the host twin is registered for the CPU platform only
         _run_against_stand_in(target)
-    assert fake_lib.fake_cublaslt_matmuls() == 6  # one cuBLASLt call per GEMM, nothing done twice
+        assert fake_lib.fake_cublaslt_matmuls() == 6  # one cuBLASLt call per GEMM, nothing done twice
+        _algorithm_choice_against_stand_in(target, lib, fake_lib)
+
+
+def _algorithm_choice_against_stand_in(target: str, lib: ctypes.CDLL, fake_lib: ctypes.CDLL) -> None:
+    """``algo=(index, split_k)`` reaches cuBLASLt as that entry of the heuristic's list with its K splits and a
+    reduction scheme set; an index past the list or splits the algorithm refuses fall back to the heuristic's
+    first; the product does not change; `list_algos` reports the list (the stand-in offers 3, the last refusing
+    pinned splits)."""
+    def last_algo():
+        out = (ctypes.c_uint64 * 4)()
+        fake_lib.fake_cublaslt_last_algo(out)
+        return list(out)
+
+    qa, sa, qb, sb = _operands(24, 256, 384, seed=11)
+    want = np.asarray(cublaslt._call(qa, sa, qb, sb, jnp.dtype(jnp.float32), target=target))
+    assert last_algo() == [1, 10, 1, 0]  # rank 0, its own splits
+    # (rank, splits) -> the algorithm words cuBLASLt ran: [rank + 1, tile, K splits, reduction scheme]
+    for algo, ran in (((1, 4), [2, 11, 4, 2]), ((1, 1), [2, 11, 1, 0]), ((2, 0), [3, 12, 1, 0]),
+                      ((2, 4), [1, 10, 1, 0]), ((7, 0), [1, 10, 1, 0])):
+        got = np.asarray(cublaslt._call(qa, sa, qb, sb, jnp.dtype(jnp.float32), target=target, algo=algo))
+        np.testing.assert_array_equal(got, want)
+        assert last_algo() == ran, algo
+    with pytest.raises(ValueError, match="algo must be"):
+        cublaslt._algo((-1, 0))
+    listed = cublaslt.list_algos(24, 256, 384, jnp.float32, split_k=4, lib=lib)
+    assert [(a["index"], a["tile_id"], a["split_k"], a["reduction_scheme"], a["accepted"]) for a in listed] == [
+        (0, 10, 4, 2, True), (1, 11, 4, 2, True), (2, 12, 1, 0, False)]
+    assert [a["waves_count"] for a in listed] == [0.25, 0.5, 0.75]
+    assert [a["tile_id"] for a in cublaslt.list_algos(24, 256, 384, lib=lib)] == [10, 11, 12]
 
 
 def _run_against_stand_in(target: str) -> None:
@@ -340,9 +366,12 @@ def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):
 
     calls = []
 
-    def fake(xq, xs_t, q, s, out_dtype):  # the scales come as cuBLASLt reads them, [K/128, M]
+    algos = []
+
+    def fake(xq, xs_t, q, s, out_dtype, algo):  # the scales come as cuBLASLt reads them, [K/128, M]
         assert xs_t.shape == (xq.shape[1] // 128, xq.shape[0])
         calls.append((xq.shape, q.shape, jnp.dtype(out_dtype)))
+        algos.append(algo)
         return fp8_gemm_reference(xq, xs_t.T, q, s, out_dtype=out_dtype)
 
     monkeypatch.setattr(P.jax, "default_backend", lambda: "gpu")
@@ -358,6 +387,18 @@ def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):
     ref = W8A8Policy("float32", kernels=Kernels.REFERENCE).dot(x, w, Site(0, Proj.Q))
     assert calls == [((15, 256), (384, 256), jnp.dtype(jnp.float32))] and y.shape == (3, 5, 384)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    # the measured algorithm table's entry for (M bucket, N, K), unless FP8RL_CUBLASLT_ALGO=heuristic
+    monkeypatch.setattr(P, "_measured_cublaslt_algos", lambda kind: {(64, 384, 256): (2, 4)})
+    policy.dot(x, w, Site(0, Proj.Q))
+    policy.dot(x[:, :1], quantize_weight_blockwise(jnp.ones((128, 256), jnp.float32)), Site(0, Proj.Q))  # no entry
+    monkeypatch.setenv("FP8RL_CUBLASLT_ALGO", "heuristic")
+    policy.dot(x, w, Site(0, Proj.Q))
+    assert algos == [(0, 0), (2, 4), (0, 0), (0, 0)]
+    monkeypatch.setenv("FP8RL_CUBLASLT_ALGO", "fastest")
+    with pytest.raises(ValueError, match="FP8RL_CUBLASLT_ALGO must be"):
+        policy.dot(x, w, Site(0, Proj.Q))
+    monkeypatch.delenv("FP8RL_CUBLASLT_ALGO")
+    del calls[1:]
     odd = quantize_weight_blockwise(jax.random.normal(jax.random.key(3), (200, 256), jnp.float32))  # N % 16 != 0
     policy.dot(x, odd, Site(0, Proj.Q))
     assert len(calls) == 1

@@ -232,6 +232,29 @@ def test_profile_decode_tiny(tmp_path, one_layer_presets):
     assert pre["prompt_tokens_per_s"] == pytest.approx(3 * 24 / pre["call_ms"] * 1e3)
 
 
+def test_tune_cublaslt_algos_candidates(monkeypatch):
+    """The sweep's candidates: the heuristic's choice first, then each listed algorithm with its K splits pinned
+    where cuBLASLt accepts it, a kernel configuration timed once; off the GPU it says what it needs."""
+    tune = _load("tune_cublaslt_algos")
+    with pytest.raises(SystemExit, match="needs cuBLASLt on a CUDA GPU"):
+        tune.main([])
+
+    def listed(m, n, k, out_dtype, split_k=0):
+        assert (m, n, k) == (128, 4096, 4096)
+        rows = []
+        for i, tile in enumerate((20, 20, 19)):  # two algorithms of one tile, different stages
+            split = split_k if split_k and i != 2 else 1  # the third refuses pinned splits
+            rows.append({"index": i, "tile_id": tile, "stages_id": 5 + i, "split_k": split,
+                         "reduction_scheme": 2 if split > 1 else 0, "cluster_shape_id": 0, "workspace_bytes": 0,
+                         "waves_count": 0.25, "accepted": not split_k or i != 2})
+        return rows
+
+    monkeypatch.setattr(tune.cublaslt, "list_algos", listed)
+    got = [(c["algo"], c["split_k"]) for c in tune.candidates(128, 4096, 4096, [1, 4])]
+    # split 1 pins what the heuristic already runs (tile and splits equal): those pairs are the (i, 0) ones again
+    assert got == [(0, 0), (1, 0), (2, 0), (0, 4), (1, 4)]
+
+
 def test_bench_gemm_says_it_needs_a_gpu(capsys):
     bench = _load("bench_gemm")
     assert bench.main([]) == 0

@@ -31,6 +31,15 @@ cuBLAS's A too, its scales ``[C/128, N]``): the weight gradient of FP8 training,
 are grouped along the token axis. Whether a cuBLASLt runs that scaling is probed once
 (`one_d_available`); the trainer falls back to BF16 tensor cores where it does not.
 
+Algorithm choice: cuBLASLt's heuristic ranks the algorithms it has for a shape and takes the first; at decode sizes
+that leaves most SMs idle on some shapes (H200, session 25: the fused q/k/v and o_proj at M = 128 ran 32-48 tiles of
+128 x 128 on 132 SMs, ~15 us for 17-25 MB of weights, under 1.4 TB/s). ``algo=(index, split_k)`` runs the
+algorithm at ``index`` of the heuristic's list, its K splits pinned to ``split_k`` when > 0 (1: none; more:
+float32 partials reduced by a second kernel), where cuBLASLt accepts that (else the heuristic's first: a table made
+with another cuBLASLt falls back, it does not fail). `list_algos` shows the list; ``experiments/tune_cublaslt_algos.py``
+times the candidates per (M bucket, N, K) and writes the winners into the GEMM backend table, which the W8A8
+policy reads (`fp8rl_jax.quant.policy.cublaslt_algo`).
+
 Limits: E4M3 only; K a multiple of 128 (the 1D call pads its contraction), N a multiple of 16; out
 bfloat16 or float32; CUDA only (anywhere else the calls raise and `available` says why).
 """
@@ -54,9 +63,9 @@ import numpy as np
 
 from pallas_kernels.fp8_gemm import BK, _check_operands
 
-__all__ = ["FFI_TARGET", "FFI_TARGET_EAGER", "SOURCE", "WORKSPACE_BYTES", "available", "build", "ffi_target",
-           "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d", "fp8_gemm_cublaslt_t", "load",
-           "one_d_available", "supports"]
+__all__ = ["DEFAULT_ALGO", "FFI_TARGET", "FFI_TARGET_EAGER", "SOURCE", "WORKSPACE_BYTES", "available", "build",
+           "declare", "ffi_target", "find_cublaslt", "fp8_gemm_cublaslt", "fp8_gemm_cublaslt_1d", "fp8_gemm_cublaslt_t",
+           "list_algos", "load", "one_d_available", "supports"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cublaslt_fp8_gemm.cc"
 CHECK_SOURCE = SOURCE.with_name("cublaslt_check.cc")
@@ -66,6 +75,9 @@ _HANDLERS = {FFI_TARGET: "Fp8rlCublasLtFp8BlockGemm", FFI_TARGET_EAGER: "Fp8rlCu
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace, a second result of every call (the size NVIDIA suggests for Hopper)
 _M_ALIGN = 16
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+DEFAULT_ALGO = (0, 0)  # (index in cuBLASLt's heuristic list, K splits pinned or 0): the heuristic's first, as it is
+_ALGO_COLUMNS = ("tile_id", "stages_id", "split_k", "reduction_scheme", "cluster_shape_id", "workspace_bytes",
+                 "waves_count", "accepted")
 
 
 def cache_dir() -> Path:
@@ -122,14 +134,23 @@ def find_cublaslt() -> Path | None:
     return None
 
 
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The C entry points' signatures on a loaded handler library (returned)."""
+    lib.fp8rl_cublaslt_set_library.argtypes = [ctypes.c_char_p]
+    lib.fp8rl_cublaslt_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.fp8rl_cublaslt_load.restype = ctypes.c_size_t
+    lib.fp8rl_cublaslt_algos.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                         ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
+                                         ctypes.c_char_p, ctypes.c_size_t]
+    lib.fp8rl_cublaslt_algos.restype = ctypes.c_int
+    return lib
+
+
 @functools.cache
 def load() -> ctypes.CDLL:
     """Build (once), load and register the handler for the CUDA platform; cuBLASLt itself is
     loaded by `available` or at the first call."""
-    lib = ctypes.CDLL(str(build()))
-    lib.fp8rl_cublaslt_set_library.argtypes = [ctypes.c_char_p]
-    lib.fp8rl_cublaslt_load.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    lib.fp8rl_cublaslt_load.restype = ctypes.c_size_t
+    lib = declare(ctypes.CDLL(str(build())))
     path = find_cublaslt()
     lib.fp8rl_cublaslt_set_library(str(path).encode() if path else b"")
     for target, handler in _HANDLERS.items():
@@ -162,27 +183,58 @@ def available() -> tuple[bool, str]:
     return (version > 0), why
 
 
+def list_algos(m: int, n: int, k: int, out_dtype=jnp.bfloat16, split_k: int = 0, *, lib: ctypes.CDLL | None = None,
+               device: int = 0) -> list[dict]:
+    """The algorithms cuBLASLt's heuristic offers for the ``[M, K] x [N, K]^T`` block-scaled GEMM (M padded to 16 as
+    the call pads it), in its order: per algorithm its ``index`` (what ``algo=(index, split_k)`` runs), cuBLASLt's
+    tile, stages, K splits, reduction scheme and cluster shape ids, workspace bytes, waves count, and ``accepted``:
+    whether its K splits can be pinned to ``split_k`` (when > 0; the split and workspace are then the pinned ones).
+    ``lib``: a loaded handler library (default: `load`'s)."""
+    lib = load() if lib is None else lib
+    mp = -(-m // _M_ALIGN) * _M_ALIGN
+    rows = (ctypes.c_int64 * (8 * 32))()
+    msg = ctypes.create_string_buffer(1024)
+    out_bf16 = int(jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16))
+    found = lib.fp8rl_cublaslt_algos(device, mp, n, k, out_bf16, split_k, WORKSPACE_BYTES, rows, 32, msg, len(msg))
+    if found < 0:
+        raise RuntimeError(f"cuBLASLt's algorithms for M={m} N={n} K={k}: {msg.value.decode()}")
+    out = []
+    for i in range(min(found, 32)):
+        row = dict(zip(_ALGO_COLUMNS, rows[8 * i: 8 * i + 8]))
+        row["waves_count"] /= 1000.0
+        row["accepted"] = bool(row["accepted"])
+        out.append({"index": i, **row})
+    return out
+
+
+def _algo(algo) -> tuple[int, int]:
+    if not (isinstance(algo, tuple) and len(algo) == 2 and all(isinstance(x, int) and x >= 0 for x in algo)):
+        raise ValueError(f"algo must be (index >= 0, split_k >= 0), got {algo!r}")
+    return algo
+
+
 def supports(n: int, k: int, out_dtype=jnp.bfloat16) -> bool:
     """Whether `fp8_gemm_cublaslt` takes this weight shape and output dtype (any M)."""
     return k % BK == 0 and n % _M_ALIGN == 0 and jnp.dtype(out_dtype) in _OUT_DTYPES
 
 
 def fp8_gemm_cublaslt(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
-                      out_dtype=jnp.bfloat16) -> jax.Array:
+                      out_dtype=jnp.bfloat16, algo: tuple[int, int] = DEFAULT_ALGO) -> jax.Array:
     """Block-scaled FP8 ``A @ B^T`` by cuBLASLt (module note): the arguments of
-    `pallas_kernels.fp8_gemm.fp8_gemm`; ``K % 128 == 0``, ``N % 16 == 0``, out bfloat16 or float32."""
+    `pallas_kernels.fp8_gemm.fp8_gemm`; ``K % 128 == 0``, ``N % 16 == 0``, out bfloat16 or float32. ``algo``:
+    (index in cuBLASLt's heuristic list, K splits pinned or 0), see the module note."""
     out_dtype = _check(a, a_scale, b, b_scale_inv, out_dtype)
-    return _call(a, a_scale, b, b_scale_inv, out_dtype, target=ffi_target())
+    return _call(a, a_scale, b, b_scale_inv, out_dtype, target=ffi_target(), algo=_algo(algo))
 
 
 def fp8_gemm_cublaslt_t(a: jax.Array, a_scale_t: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
-                        out_dtype=jnp.bfloat16) -> jax.Array:
+                        out_dtype=jnp.bfloat16, algo: tuple[int, int] = DEFAULT_ALGO) -> jax.Array:
     """`fp8_gemm_cublaslt` with A's scales given transposed, ``a_scale_t [K/128, M]`` (the order cuBLASLt
     reads; `fp8rl_jax.quant.quantize_activations_t` writes them so): no transpose before the call."""
     if a.ndim != 2 or a_scale_t.ndim != 2 or tuple(a_scale_t.shape) != (-(-a.shape[1] // BK), a.shape[0]):
         raise ValueError(f"a_scale_t must be [K/128, M] for a {tuple(a.shape)}, got shape {tuple(a_scale_t.shape)}")
     out_dtype = _check(a, a_scale_t.T, b, b_scale_inv, out_dtype)
-    return _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=ffi_target())
+    return _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=ffi_target(), algo=_algo(algo))
 
 
 def _check(a, a_scale, b, b_scale_inv, out_dtype):
@@ -201,20 +253,20 @@ def _check(a, a_scale, b, b_scale_inv, out_dtype):
     return out_dtype
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
-def _call(a, a_scale, b, b_scale_inv, out_dtype, target=FFI_TARGET):
-    return _call_t(a, a_scale.T, b, b_scale_inv, out_dtype, target)
+@functools.partial(jax.jit, static_argnames=("out_dtype", "target", "algo"))
+def _call(a, a_scale, b, b_scale_inv, out_dtype, target=FFI_TARGET, algo=DEFAULT_ALGO):
+    return _call_t(a, a_scale.T, b, b_scale_inv, out_dtype, target, algo)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "target"))
-def _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=FFI_TARGET):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "target", "algo"))
+def _call_t(a, a_scale_t, b, b_scale_inv, out_dtype, target=FFI_TARGET, algo=DEFAULT_ALGO):
     kb = a.shape[1] // BK
     kb4 = -(-kb // 4) * 4  # the 128x128 scales' leading dimension: K blocks rounded up to 4
     bs = b_scale_inv if kb4 == kb else jnp.pad(b_scale_inv, ((0, 0), (0, kb4 - kb)))
-    return _ffi(a, a_scale_t, b, bs, out_dtype, target, b_blocks=1)
+    return _ffi(a, a_scale_t, b, bs, out_dtype, target, b_blocks=1, algo=algo)
 
 
-def _ffi(a, as_t, b, bs, out_dtype, target, b_blocks: int):
+def _ffi(a, as_t, b, bs, out_dtype, target, b_blocks: int, algo: tuple[int, int] = DEFAULT_ALGO):
     """The custom call with A's rows zero-padded to a multiple of 16 (``as_t``: its scales [K/128, M],
     M-contiguous as cuBLAS reads them) and the padding rows sliced off the output."""
     m, n = a.shape[0], b.shape[0]
@@ -224,7 +276,7 @@ def _ffi(a, as_t, b, bs, out_dtype, target, b_blocks: int):
         as_t = jnp.pad(as_t, ((0, 0), (0, mp - m)))
     out, _ = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct((mp, n), out_dtype),
                                        jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)))(
-        a, as_t, b, bs, b_blocks=np.int32(b_blocks))
+        a, as_t, b, bs, b_blocks=np.int32(b_blocks), algo=np.int32(algo[0]), split_k=np.int32(algo[1]))
     return out[:m] if mp != m else out
 
 

@@ -301,6 +301,37 @@ def backend_defaults(path: Path | None = None) -> list[dict]:
     return list(json.loads(path.read_text()).get("defaults", []))
 
 
+# Measured per device kind (``experiments/tune_cublaslt_algos.py``): per (M bucket, N, K) the cuBLASLt algorithm
+# (index in its heuristic list, K splits pinned or 0) that ran the block-scaled GEMM fastest (`cublaslt.list_algos`).
+CUBLASLT_ALGO_TABLE = Path(__file__).with_name("cublaslt_algos.json")
+
+
+@functools.cache
+def _measured_cublaslt_algos(kind: str) -> dict[tuple[int, int, int], tuple[int, int]]:
+    return {(int(e["m_bucket"]), int(e["n"]), int(e["k"])): (int(e["algo"]), int(e["split_k"]))
+            for e in tuning_entries(CUBLASLT_ALGO_TABLE, kind)}
+
+
+def cublaslt_algo(m: int, n: int, k: int) -> tuple[int, int]:
+    """The cuBLASLt algorithm an ``[M, K] x [N, K]^T`` W8A8 GEMM runs (`fp8rl_jax.quant.cublaslt`'s ``algo``): the
+    measured table's (`CUBLASLT_ALGO_TABLE`) for this device kind and (M bucket, N, K), else cuBLASLt's heuristic
+    choice; ``FP8RL_CUBLASLT_ALGO=heuristic`` ignores the table (the A/B switch)."""
+    env = os.environ.get("FP8RL_CUBLASLT_ALGO", "table").strip().lower()
+    if env not in ("table", "heuristic"):
+        raise ValueError(f"FP8RL_CUBLASLT_ALGO must be table or heuristic; got {env!r}")
+    if env == "heuristic":
+        return cublaslt.DEFAULT_ALGO
+    return _measured_cublaslt_algos(device_kind()).get((m_bucket(m), n, k), cublaslt.DEFAULT_ALGO)
+
+
+def describe_cublaslt_algos() -> dict:
+    """What a benchmark records of the cuBLASLt algorithm choice (`cublaslt_algo`): ``FP8RL_CUBLASLT_ALGO`` and
+    the table's entries for this device kind as ``{"m_bucket x n x k": [algo, split_k]}``."""
+    mode = os.environ.get("FP8RL_CUBLASLT_ALGO", "table").strip().lower()
+    entries = {} if mode == "heuristic" else _measured_cublaslt_algos(device_kind())
+    return {"mode": mode, "entries": {f"{m}x{n}x{k}": list(v) for (m, n, k), v in sorted(entries.items())}}
+
+
 @functools.cache
 def _default_backend(kind: str) -> GemmBackend:
     for d in backend_defaults():
@@ -370,7 +401,8 @@ class W8A8Policy(MatmulPolicy):
         """The kernels' GEMM of quantized activations (scales in the order `_scales_t` chose) and an FP8 weight."""
         interpret = _interpret()
         if scales_t:
-            return cublaslt.fp8_gemm_cublaslt_t(xq, xs, q, s, out_dtype=out_dtype)
+            return cublaslt.fp8_gemm_cublaslt_t(xq, xs, q, s, out_dtype=out_dtype,
+                                                algo=cublaslt_algo(xq.shape[0], *q.shape))
         m, (n, k) = xq.shape[0], q.shape
         if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
             return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)

@@ -27,3 +27,12 @@ static_assert(offsetof(fp8rl_lt::HeuristicResult, workspaceSize) ==
 static_assert(offsetof(fp8rl_lt::HeuristicResult, state) == offsetof(::cublasLtMatmulHeuristicResult_t, state));
 static_assert(sizeof(cublasStatus_t) == sizeof(fp8rl_lt::Status) && sizeof(cudaDataType_t) == sizeof(int) &&
               sizeof(cublasLtMatmulDescAttributes_t) == sizeof(int) && sizeof(cublasComputeType_t) == sizeof(int));
+static_assert(fp8rl_lt::kAlgoTileId == CUBLASLT_ALGO_CONFIG_TILE_ID &&
+              fp8rl_lt::kAlgoSplitK == CUBLASLT_ALGO_CONFIG_SPLITK_NUM &&
+              fp8rl_lt::kAlgoReduction == CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME &&
+              fp8rl_lt::kAlgoStagesId == CUBLASLT_ALGO_CONFIG_STAGES_ID &&
+              fp8rl_lt::kAlgoClusterShapeId == CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+static_assert(fp8rl_lt::kReductionNone == CUBLASLT_REDUCTION_SCHEME_NONE &&
+              fp8rl_lt::kReductionCompute == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE);
+static_assert(offsetof(fp8rl_lt::HeuristicResult, wavesCount) ==
+              offsetof(::cublasLtMatmulHeuristicResult_t, wavesCount));
