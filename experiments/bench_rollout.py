@@ -286,6 +286,9 @@ def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampli
         "decode_buckets": list(cfg.engine.decode_rows),
         "decode_rows_mean": st["decode_row_steps"] / steps,
         "slot_moves": st["slot_moves"],
+        # swap preemption (EngineConfig.swap_space_gib): sequences whose KV went to host memory and came back,
+        # and the tokens they did not recompute
+        "swap_outs": st["swap_outs"], "swap_ins": st["swap_ins"], "swapped_tokens": st["swapped_tokens"],
         "gpu_during_run": gpu.summary(),
     }
 
@@ -462,6 +465,8 @@ if __name__ == "__main__":
     ap.add_argument("--decode-buckets", type=int, nargs="*", default=None,
                     help="EngineConfig.decode_buckets, the row counts a decode call may run (default: powers of two "
                          "from 16); give --max-slots alone to decode every slot in every call (the A/B baseline)")
+    ap.add_argument("--swap-space-gib", type=float, default=BenchConfig.engine.swap_space_gib,
+                    help="EngineConfig.swap_space_gib: host memory for preempted sequences' KV (0: recompute them)")
     ap.add_argument("--steps-per-call", type=int, default=BenchConfig.engine.steps_per_call)
     ap.add_argument("--prefill-batch", type=int, default=BenchConfig.engine.prefill_batch)
     ap.add_argument("--prompts", type=int, default=0, help="use only the first N prompts of the workload (0: all)")
@@ -507,7 +512,8 @@ if __name__ == "__main__":
                                  fuse_projections={"auto": None, "on": True, "off": False}[a.fuse_projections],
                                  fp8_gemm=GemmBackend(a.fp8_gemm), fused_cast=a.fused_cast == "on",
                                  sampling_draw=Draw(a.draw),
-                                 decode_buckets=tuple(a.decode_buckets) if a.decode_buckets else (), **sizing)
+                                 decode_buckets=tuple(a.decode_buckets) if a.decode_buckets else (),
+                                 swap_space_gib=a.swap_space_gib, **sizing)
     model = PRESETS[a.preset]
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)

@@ -3,17 +3,23 @@
 cuBLASLt's heuristic takes one algorithm per (M, N, K). At decode sizes its choice can leave most of the GPU idle:
 on the H200 (session 25's W2 profile, 128 rows) the generator's FP8 GEMMs took 3.05 ms a step for 6.95 GB of
 weights (53% of the HBM roofline), the fused q/k/v and o_proj ~15 us each whatever their size (32-48 output tiles
-of 128 x 128 on 132 SMs). The heuristic ranks more than one algorithm, and an algorithm's K splits can be pinned
-(`fp8rl_jax.quant.cublaslt`: ``algo=(index, split_k)``). For each shape (the preset's fused q/k/v, o_proj, fused
+of 128 x 128 on 132 SMs). The heuristic may rank more than one algorithm, and an algorithm's K splits can be
+pinned (`fp8rl_jax.quant.cublaslt`: ``algo=(index, split_k)``). For each shape (the preset's fused q/k/v, o_proj, fused
 gate/up, down_proj) and each M this script:
 
 1. lists the heuristic's algorithms (`cublaslt.list_algos`), as they are and with their K splits pinned to each of
    ``--splits`` where cuBLASLt accepts it; candidates that configure the same kernel are timed once;
-2. times every candidate (`pallas_kernels.common.replay_ms`: ``--sets`` different weights per program, so no call
-   reads its weight from L2; median of ``--replays``), the heuristic's own choice first, and checks its output
-   against that choice's (the products are the same up to float32 summation order and the BF16 rounding);
-3. keeps the fastest where it beats the heuristic's choice by more than ``--min-gain``, and traces the GPU kernels
-   of both (`replay_gpu_ms`) for the record.
+2. times every candidate by GPU time (`pallas_kernels.common.replay_gpu_ms`: the kernels' busy time per call over
+   ``--sets`` different weights in one traced program, so no call reads its weight from L2; what a call costs inside
+   the engine's CUDA graphs), the heuristic's own choice first, and checks its output against that choice's (the
+   products are the same up to float32 summation order and the BF16 rounding);
+3. keeps the fastest where it beats the heuristic's choice by more than ``--min-gain``.
+
+Measured on the H200 (session 26, cuBLASLt 13.1, `experiments/results/h200_session26_2026-12-04.md`): at every
+decode shape of Qwen3-8B and M = 64, 128, 256 the heuristic offers one algorithm (one nvjet kernel, 128 x 128 tiles),
+and by GPU time pinning its K splits to 2 or 4 made no shape at M = 128 or 256 faster by more than 0.5 us (o_proj at
+128 rows: 14.4 -> 13.9 us; q/k/v 14.9 -> 16.7 and 18.2). No table is committed: the script is a tool for another
+cuBLASLt or GPU, not a speed-up here.
 
 It writes the candidates' times as JSON (``--out``) and the winners into `fp8rl_jax.quant.policy.CUBLASLT_ALGO_TABLE`
 (``--table-out``, merged by device kind, M bucket, N, K), which the W8A8 policy reads (``FP8RL_CUBLASLT_ALGO=
@@ -21,7 +27,7 @@ heuristic`` ignores it). A table entry serves its M bucket (`pallas_kernels.comm
 Needs cuBLASLt on a CUDA GPU.
 
     python experiments/tune_cublaslt_algos.py --preset qwen3_8b --m 64 128 256 \\
-        --out experiments/results/cublaslt_algos_h200.json --table-out fp8rl_jax/quant/cublaslt_algos.json
+        --out experiments/results/cublaslt_sweep_h200.json --table-out fp8rl_jax/quant/cublaslt_algos.json
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from configs.models import PRESETS  # noqa: E402
 from experiments.bench_decode_gemms import decode_shapes  # noqa: E402
 from fp8rl_jax.quant import cublaslt, quantize_activations_t  # noqa: E402
 from fp8rl_jax.quant.policy import CUBLASLT_ALGO_TABLE, quantize_weight  # noqa: E402
-from pallas_kernels.common import (device_kind, m_bucket, merged_tuning, replay_gpu_ms, replay_ms,  # noqa: E402
-                                   write_results, write_tuning)
+from pallas_kernels.common import (device_kind, m_bucket, merged_tuning, replay_gpu_ms, write_results,  # noqa: E402
+                                   write_tuning)
 
 _SIGNATURE = ("tile_id", "stages_id", "split_k", "reduction_scheme", "cluster_shape_id")
 
@@ -75,7 +81,6 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--algos", type=int, default=8, help="the heuristic's first this many algorithms")
     p.add_argument("--shapes", nargs="+", default=["qkv", "o_proj", "gate_up", "down_proj"])
     p.add_argument("--sets", type=int, default=6, help="different weights per timed program (no L2 reuse)")
-    p.add_argument("--replays", type=int, default=15)
     p.add_argument("--min-gain", type=float, default=0.03, help="keep a winner only if this much faster")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--table-out", type=Path, default=None,
@@ -103,18 +108,19 @@ def main(argv=None) -> list[dict]:
                 fn = lambda a, st, b, bs, algo=algo: cublaslt.fp8_gemm_cublaslt_t(a, st, b, bs, algo=algo)  # noqa: E731
                 try:
                     out = np.asarray(fn(*sets[0]), np.float32)
-                    c["ms"] = replay_ms(fn, sets, n_replays=args.replays)
+                    gpu = replay_gpu_ms(fn, sets)
                 except Exception as e:  # noqa: BLE001 - a candidate cuBLASLt fails at run time is a row, not a crash
                     c["error"] = repr(e)[:300]
                     print(f"{name:9s} M={m:4d} algo {algo} failed: {e!r}"[:200], flush=True)
                     continue
+                c.update(ms=gpu["busy_ms"], kernels=gpu["kernels"])
                 if base is None:
                     base = out
                 c["max_rel_diff"] = float(np.max(np.abs(out - base)) / max(np.max(np.abs(base)), 1e-30))
                 c["weight_gbps"] = n * k / c["ms"] / 1e6
                 print(f"{name:9s} M={m:4d} algo {algo!s:8s} tile {c['tile_id']:3d} stages {c['stages_id']:3d} "
                       f"splits {c['kernel_splits']:2d} waves {c['waves_count']:5.2f}: {c['ms'] * 1e3:7.1f} us "
-                      f"{c['weight_gbps']:6.0f} GB/s diff {c['max_rel_diff']:.1e}", flush=True)
+                      f"{c['weight_gbps']:6.0f} GB/s diff {c['max_rel_diff']:.1e} {list(c['kernels'])[:2]}", flush=True)
             timed = [c for c in cands if "ms" in c and c["max_rel_diff"] <= 2e-2]
             row = {"shape": name, "m": m, "n": n, "k": k, "cublaslt_version": version, "candidates": cands}
             if timed and "ms" in cands[0]:
@@ -122,13 +128,8 @@ def main(argv=None) -> list[dict]:
                 keep = best is not default and best["ms"] < (1 - args.min_gain) * default["ms"]
                 chosen = best if keep else default
                 row.update(default_ms=default["ms"], best_ms=best["ms"], chosen=[chosen["algo"], chosen["split_k"]])
-                for label, c in (("default", default), ("chosen", chosen)):
-                    algo = (c["algo"], c["split_k"])
-                    row[f"{label}_gpu"] = replay_gpu_ms(
-                        lambda a, st, b, bs, algo=algo: cublaslt.fp8_gemm_cublaslt_t(a, st, b, bs, algo=algo), sets)
                 print(f"{name:9s} M={m:4d} heuristic {default['ms'] * 1e3:.1f} us, best {best['ms'] * 1e3:.1f} us "
-                      f"(algo {best['algo']}, splits {best['split_k']}): {'kept' if keep else 'not kept'}; "
-                      f"kernels {list(row['chosen_gpu']['kernels'])[:2]}", flush=True)
+                      f"(algo {best['algo']}, splits {best['split_k']}): {'kept' if keep else 'not kept'}", flush=True)
                 if keep:
                     entries.append({"device_kind": kind, "m_bucket": m_bucket(m), "n": n, "k": k,
                                     "algo": best["algo"], "split_k": best["split_k"], "cublaslt_version": version,

@@ -191,10 +191,27 @@ def test_tiny_page_budget_preempts_and_loses_nothing():
     prompts = _prompts(rng, cfg.vocab_size, [9, 6, 11, 3])
     sampling = SamplingConfig(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3)
     big = JaxEngine(cfg, params, F32).generate(prompts, sampling)
-    tight = JaxEngine(cfg, params, dataclasses.replace(F32, num_pages=8)).generate(prompts, sampling)
+    recompute = JaxEngine(cfg, params, dataclasses.replace(F32, num_pages=8))
+    tight = recompute.generate(prompts, sampling)
     assert big.preemptions == 0 and tight.preemptions > 0
     assert tight.token_lists() == big.token_lists()
     np.testing.assert_allclose(tight.logprobs, big.logprobs, atol=1e-5)
+    # swap preemption (EngineConfig.swap_space_gib): the preempted KV goes to host memory and comes back, no
+    # recompute prefill; the same tokens, and logprobs within float32 rounding of the unpreempted run's
+    for overlap in (True, False):
+        swap = JaxEngine(cfg, params, dataclasses.replace(F32, num_pages=8, swap_space_gib=1.0, overlap_host=overlap))
+        out = swap.generate(prompts, sampling)
+        assert out.preemptions > 0 and swap.stats["swap_outs"] == swap.stats["swap_ins"] == out.preemptions
+        assert swap.stats["prefill_tokens"] == sum(map(len, prompts)) < recompute.stats["prefill_tokens"]
+        assert out.token_lists() == big.token_lists()
+        np.testing.assert_allclose(out.logprobs, big.logprobs, atol=1e-5)
+    # too little host space for any sequence: every preemption recomputes, as without swap
+    none = JaxEngine(cfg, params, dataclasses.replace(F32, num_pages=8, swap_space_gib=1e-9))
+    out = none.generate(prompts, sampling)
+    assert none.stats["swap_outs"] == 0 and out.preemptions == tight.preemptions
+    assert out.token_lists() == big.token_lists()
+    with pytest.raises(ValueError, match="swap_space_gib"):
+        dataclasses.replace(F32, swap_space_gib=-1.0)
 
 
 def test_stop_tokens_eos_and_length_limits():
@@ -418,10 +435,11 @@ def test_warmup_compiles_everything_and_changes_nothing():
     before = jax.tree.map(np.array, eng.cache)
     assert eng.warmup(min_prompt_len=3, max_prompt_len=11) > 0
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, eng.cache), before)
-    sizes = [f._cache_size() for f in (engine_mod._prefill, engine_mod._decode, engine_mod._calibrate)]
+    programs = (engine_mod._prefill, engine_mod._decode, engine_mod._calibrate, engine_mod._continue_rows)
+    sizes = [f._cache_size() for f in programs]
     warm = eng.generate(prompts, sampling)
     assert warm.preemptions > 0
-    assert [f._cache_size() for f in (engine_mod._prefill, engine_mod._decode, engine_mod._calibrate)] == sizes
+    assert [f._cache_size() for f in programs] == sizes
     cold = JaxEngine(cfg, params, ec).generate(prompts, sampling)
     assert warm.token_lists() == cold.token_lists()
     np.testing.assert_array_equal(warm.logprobs, cold.logprobs)
@@ -429,8 +447,19 @@ def test_warmup_compiles_everything_and_changes_nothing():
     eng.warmup(min_prompt_len=3, max_prompt_len=11, recompute=False, progress=lambda w, s: stages.append(w))
     # no recompute buckets: prefill buckets 8 and 16 only (bucket(11) = 16; max_seq_len's is 64)
     assert [w for w in stages if w.startswith("prefill")] == [f"prefill {ec.prefill_batch}x{t}" for t in (8, 16)]
-    assert [w for w in stages if w.startswith("decode")] == ["decode 1x2", "decode 3x2"]  # every row bucket
+    assert [w for w in stages if w.startswith("decode")] == [  # every row bucket, and the continuation merge
+        "decode 1x2", "decode 3x2", "decode continuation", "decode continuation (moved rows)"]
     assert any(w.startswith("kv calibration") for w in stages)
+    # with swap preemption: its copy programs too (the scales stay fresh: the params did not change)
+    swap = JaxEngine(cfg, params, dataclasses.replace(ec, swap_space_gib=1.0))
+    stages.clear()
+    swap.warmup(min_prompt_len=3, max_prompt_len=11, recompute=False, progress=lambda w, s: stages.append(w))
+    assert "swap copies" in stages
+    copies = (engine_mod._gather_pages, engine_mod._scatter_pages)
+    sizes = [f._cache_size() for f in copies]
+    out = swap.generate(prompts, sampling)
+    assert swap.stats["swap_outs"] > 0 and [f._cache_size() for f in copies] == sizes
+    assert out.token_lists() == cold.token_lists()
     with pytest.raises(ValueError, match="min_prompt_len"):
         eng.warmup(min_prompt_len=0)
     with pytest.raises(ValueError, match="max_prompt_len"):

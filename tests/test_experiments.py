@@ -67,6 +67,7 @@ def test_bench_rollout_tiny(tmp_path):
         calls = np.asarray(r["decode_calls"], np.float64)
         assert calls.ndim == 2 and calls.shape[1] == 5 and len(calls) >= 1 and (calls[:, 3] > 0).all()
         assert r["decode_buckets"] == [4] and (calls[:, 4] == 4).all() and r["decode_rows_mean"] == 4
+        assert r["swap_outs"] == r["swap_ins"] == r["swapped_tokens"] == 0  # swap preemption is off by default
         assert abs(calls[:, 0].sum() * engine.steps_per_call / 1e3 - r["decode_s"]) < 1e-5 * len(calls) + 1e-9
         assert ((calls[:, 1] >= 1) & (calls[:, 1] <= 4)).all() and ((calls[:, 2] >= 1) & (calls[:, 2] <= 32)).all()
     # the table's clock column: SM clock median and the share of samples under the power cap; n/a without samples

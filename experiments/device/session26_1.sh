@@ -9,8 +9,10 @@ source experiments/device/env.sh
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit --format=csv
   echo "== cuBLASLt tests on the GPU"; timeout $(left 120) python -m pytest -q -x tests/test_cublaslt.py \
     -p no:cacheprovider 2>&1 | tail -5
+  # (as run in session 26 the sweep's --out had the table's file name, and the cp below overwrote it: its rows
+  # survive in the log only; the sweep then ranked by replay_ms, since replaced by GPU time)
   echo "== sweep"; timeout $(left 330) python experiments/tune_cublaslt_algos.py --preset qwen3_8b --m 64 128 256 \
-    --out "$OUT/cublaslt_algos.json" --table-out fp8rl_jax/quant/cublaslt_algos.json; echo "rc=$?"
+    --out "$OUT/cublaslt_sweep.json" --table-out fp8rl_jax/quant/cublaslt_algos.json; echo "rc=$?"
   cp fp8rl_jax/quant/cublaslt_algos.json "$OUT/" 2>/dev/null
   for shape in "128 4096" "256 2048"; do set -- $shape
     for algo in heuristic table; do

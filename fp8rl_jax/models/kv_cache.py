@@ -184,10 +184,20 @@ class PagedKVCache:
     @classmethod
     def init(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
              batch: int, max_pages: int, dtype, kernels: Kernels | None = None,
-             heads: HeadSharding | None = None) -> "PagedKVCache":
+             heads: HeadSharding | None = None, device: jax.Device | None = None) -> "PagedKVCache":
         """An empty cache; with ``heads`` the pools are allocated already split over kv heads (each
-        device only ever holds its share) and the scales replicated on the mesh."""
+        device only ever holds its share) and the scales replicated on the mesh; with ``device`` (and no
+        ``heads``) every array is committed to that device (the pools allocated there, no copy), else
+        uncommitted."""
         shape = (num_pages, page_size, num_kv_heads, head_dim)
+        if heads is None and device is not None:
+            one = jax.sharding.SingleDeviceSharding(device)
+            pool = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=one)
+            ones = jax.jit(functools.partial(jnp.ones, (num_layers,), jnp.float32), out_shardings=one)
+            return cls(k_pages=tuple(pool() for _ in range(num_layers)), v_pages=tuple(pool() for _ in range(num_layers)),
+                       k_scale=ones(), v_scale=ones(),
+                       page_table=jax.device_put(jnp.zeros((batch, max_pages), jnp.int32), device),
+                       lengths=jax.device_put(jnp.zeros((batch,), jnp.int32), device), kernels=kernels, heads=heads)
         if heads is None:
             pool = functools.partial(jnp.zeros, shape, dtype)
             ones = functools.partial(jnp.ones, (num_layers,), jnp.float32)

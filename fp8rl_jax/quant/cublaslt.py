@@ -37,8 +37,10 @@ that leaves most SMs idle on some shapes (H200, session 25: the fused q/k/v and 
 algorithm at ``index`` of the heuristic's list, its K splits pinned to ``split_k`` when > 0 (1: none; more:
 float32 partials reduced by a second kernel), where cuBLASLt accepts that (else the heuristic's first: a table made
 with another cuBLASLt falls back, it does not fail). `list_algos` shows the list; ``experiments/tune_cublaslt_algos.py``
-times the candidates per (M bucket, N, K) and writes the winners into the GEMM backend table, which the W8A8
-policy reads (`fp8rl_jax.quant.policy.cublaslt_algo`).
+times the candidates per (M bucket, N, K) by GPU time and writes the winners into a table the W8A8 policy reads
+(`fp8rl_jax.quant.policy.cublaslt_algo`). On the H200's cuBLASLt 13.1 (session 26) the heuristic lists one
+algorithm for every Qwen3-8B decode shape, and pinned splits gained at most 0.5 us a call, so no table is
+committed there.
 
 Limits: E4M3 only; K a multiple of 128 (the 1D call pads its contraction), N a multiple of 16; out
 bfloat16 or float32; CUDA only (anywhere else the calls raise and `available` says why).
