@@ -117,6 +117,10 @@ def _child(out_path: str) -> None:
     tiny = dataclasses.replace(base, num_pages=6)
     eng = JaxEngine(CFG, params, tiny, mesh=mesh2)
     compare("tp2_preempt", run(eng), ref, eng)
+    # swap preemption under TP: the head-sharded pages go to pinned host memory and back, shard by shard
+    eng = JaxEngine(CFG, params, dataclasses.replace(tiny, swap_space_gib=1.0), mesh=mesh2)
+    compare("tp2_swap", run(eng), ref, eng)
+    results["tp2_swap"]["swaps"] = [eng.stats["swap_outs"], eng.stats["swap_ins"]]
     # the RL loop's sync: trainer params FSDP-sharded over all 8 devices -> the generator's TP layout
     perturbed = jax.tree.map(lambda p: p * 1.01, params)
     ref_perturbed = run(JaxEngine(CFG, perturbed, base))
@@ -209,7 +213,7 @@ def multi(tmp_path_factory):
     return run_device_child(__file__, tmp_path_factory.mktemp("tp") / "results.json", DEVICES)
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp4", "tp2_pallas", "tp2_preempt", "tp2_after_fsdp_sync",
+@pytest.mark.parametrize("case", ["tp2", "tp4", "tp2_pallas", "tp2_preempt", "tp2_swap", "tp2_after_fsdp_sync",
                                   "tp2_after_fsdp2_sync"])
 def test_tensor_parallel_greedy_equals_one_device(multi, case):
     rec = multi[case]
@@ -243,6 +247,8 @@ def test_generator_layout_and_pool_size(multi):
 def test_preemption_and_weight_sync_under_tp(multi):
     rec = multi["tp2_preempt"]
     assert rec["preemptions"] > 0  # and its tokens are the roomy one-device run's (test above)
+    swap = multi["tp2_swap"]
+    assert swap["preemptions"] > 0 and swap["swaps"] == [swap["preemptions"]] * 2  # every preemption swapped
     sync = multi["tp2_after_fsdp_sync"]
     assert sync["changed"] and set(sync["last_sync"]) == {"reshard_s", "quantize_s"}
     # params on the generator's devices move in one compiled program; from other devices leaf by leaf

@@ -198,6 +198,11 @@ def test_engine_records_routing_aligned_with_the_full_forward_and_survives_preem
         np.testing.assert_array_equal(alone.routing[0, :n], big.routing[i, :n])
     assert big.routing_recompute_mismatches == 0
     assert EngineConfig().record_routing is False
+    # swap preemption (no recompute): the same tokens and routing
+    swap = JaxEngine(CFG, params, dataclasses.replace(ENGINE_F32, swap_space_gib=1.0))
+    swapped = swap.generate(prompts, sampling)
+    assert swap.stats["swap_outs"] == swapped.preemptions > 0 and swapped.token_lists() == big.token_lists()
+    np.testing.assert_array_equal(swapped.routing, big.routing)
 
     lens = [len(p) + n for p, n in zip(prompts, big.lengths)]
     S = max(lens)
