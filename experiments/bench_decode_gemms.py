@@ -7,7 +7,10 @@ preset's fused q/k/v and gate/up, o_proj, down_proj, lm_head) and per M:
 - ``bf16``: `DensePolicy(fused_cast=True).dot`, the generator's BF16 linear;
 - ``bf16_splitk{s}``: K cut in ``s`` slices as a batched dot (float32 partials) summed in float32 and rounded once;
 - ``fp8``: `W8A8Policy().dot` (the measured backend table's GEMM: cuBLASLt or the Mosaic kernel), the activations'
-  quantization included.
+  quantization included;
+- with ``--triton``, kernel against kernel on the same quantized operands: ``fp8_cublaslt`` (cuBLASLt's block-scaled
+  GEMM) and ``fp8_triton_<config>`` for each of `pallas_kernels.fp8_gemm.DECODE_CONFIGS` (our Triton kernel with
+  split-K, its partials' sum included).
 
 (Session 20 also timed an FP8 split-K made of cuBLASLt calls over K slices: slicing the operands copied them,
 100+ us a call, so it measured the copies; it is gone.)
@@ -39,6 +42,7 @@ from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models.policy import DensePolicy  # noqa: E402
 from fp8rl_jax.quant.fp8 import codes_to_float32, quantize_activations  # noqa: E402
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_weight  # noqa: E402
+from pallas_kernels import fp8_gemm as triton_gemm  # noqa: E402
 from pallas_kernels.common import replay_gpu_ms, write_results  # noqa: E402
 
 
@@ -79,6 +83,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--sets", type=int, default=6, help="different weights per timed program (no L2 reuse)")
     p.add_argument("--shapes", nargs="+", default=None, help="a subset of qkv o_proj gate_up down_proj lm_head")
     p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--triton", action="store_true",
+                   help="also time cuBLASLt and our split-K Triton kernel on pre-quantized operands")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -101,6 +107,17 @@ def main(argv=None) -> list[dict]:
                              for s in args.splits if k % s == 0})
             if qws:
                 variants["fp8"] = (lambda x, w: w8a8.dot(x, w, None), qws, ref8)
+            if qws and args.triton:
+                xq = [quantize_activations(x, 128) for x in xs]
+                ops = [(a, sa, w.q, w.scale_inv) for (a, sa), w in zip(xq, qws)]
+                ref_q = np.asarray(triton_gemm.fp8_gemm_reference(*ops[0], out_dtype=jnp.float32), np.float64)
+                if jax.default_backend() == "gpu":
+                    from fp8rl_jax.quant import cublaslt
+                    variants["fp8_cublaslt"] = (lambda x, op: cublaslt.fp8_gemm_cublaslt(*op), ops, ref_q)
+                for cfg in triton_gemm.DECODE_CONFIGS:
+                    name_ = f"fp8_triton_{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}k{cfg.k_splits}"
+                    variants[name_] = (lambda x, op, cfg=cfg: triton_gemm.fp8_gemm(*op, config=cfg), ops,
+                                       ref_q)
             flop = 2.0 * m * n * k
             for vname, (fn, wset, r) in variants.items():
                 try:

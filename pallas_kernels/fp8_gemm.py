@@ -74,19 +74,24 @@ class GemmConfig:
       block_n: rows of B (columns of out) per program; a positive multiple of 16.
       num_warps: Triton warps per program.
       num_stages: Triton software-pipelining stages of the K loop.
+      k_splits: programs per output tile along K (split-K, for decode-sized M where the output tiles alone
+        leave SMs idle: Qwen3-8B's o_proj at M = 128 has 32 tiles of 128 x 128 for 132 SMs). Each split runs a
+        contiguous range of the 128-wide K blocks and writes a float32 partial ``[k_splits, M, N]``; XLA sums
+        them in split order (deterministic) and casts once. 1: no split.
     """
 
     block_m: int = 128
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 4
+    k_splits: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0 or v % 16:
                 raise ValueError(f"GemmConfig.{name} must be a positive multiple of 16, got {v!r}")
-        for name in ("num_warps", "num_stages"):
+        for name in ("num_warps", "num_stages", "k_splits"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"GemmConfig.{name} must be a positive int, got {v!r}")
@@ -103,13 +108,30 @@ SWEEP_CONFIGS = (
     GemmConfig(128, 256, 8, 3),
     GemmConfig(256, 128, 8, 3),
 )
+# Decode-sized M (the generator's 16-256 rows): the whole M in one tile, narrow N tiles and K split so the
+# programs fill the SMs while each streams a contiguous slab of the weight (memory-bound: the weight is read once).
+# Untimed on the GPU yet: `experiments/bench_decode_gemms.py --triton` times them beside cuBLASLt.
+DECODE_CONFIGS = (
+    GemmConfig(64, 64, 4, 4, k_splits=2),
+    GemmConfig(64, 128, 4, 4, k_splits=2),
+    GemmConfig(128, 64, 4, 4, k_splits=2),
+    GemmConfig(128, 64, 4, 4, k_splits=4),
+    GemmConfig(128, 128, 8, 4, k_splits=4),
+    GemmConfig(256, 64, 8, 3, k_splits=4),
+)
 
 
-def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int):
-    """Refs: a [BM, Kp], as [kb, BM], b [BN, Kp], bs [kb, BN], o [BM, BN] (Kp = kb * 128)."""
-    block_m, block_n = o_ref.shape
+def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int, blocks_per_split: int = 0):
+    """Refs: a [BM, Kp], as [kb, BM], b [BN, Kp], bs [kb, BN], o [BM, BN] (Kp = kb * 128). With
+    ``blocks_per_split`` > 0 (split-K) the program runs K blocks ``[s * blocks_per_split, (s + 1) *
+    blocks_per_split)`` of its split s (grid axis 2) and ``o`` is its float32 partial, [1, BM, BN]."""
+    block_m, block_n = o_ref.shape[-2:]
     kb = as_ref.shape[0]
     i, j = pl.program_id(0), pl.program_id(1)
+    lo, hi = 0, kb
+    if blocks_per_split:
+        lo = pl.program_id(2) * blocks_per_split
+        hi = jnp.minimum(lo + blocks_per_split, kb)
     mask_m, mask_n, mask_k = m % block_m != 0, n % block_n != 0, k % BK != 0
     row_ok = i * block_m + jnp.arange(block_m, dtype=jnp.int32) < m
     col_ok = j * block_n + jnp.arange(block_n, dtype=jnp.int32) < n
@@ -134,10 +156,13 @@ def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int)
         d = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return acc + (d * sa[:, None]) * sb[None, :]
 
-    acc = jax.lax.fori_loop(0, kb, body, jnp.zeros((block_m, block_n), jnp.float32))
+    acc = jax.lax.fori_loop(lo, hi, body, jnp.zeros((block_m, block_n), jnp.float32))
     out = acc.astype(o_ref.dtype)
+    ok = row_ok[:, None] & col_ok[None, :]
+    if blocks_per_split:  # the partial's block [1, BM, BN]
+        out, ok = out[None], ok[None]
     if mask_m or mask_n:
-        plgpu.store(o_ref, out, mask=row_ok[:, None] & col_ok[None, :])
+        plgpu.store(o_ref, out, mask=ok)
     else:
         o_ref[...] = out
 
@@ -150,22 +175,36 @@ def _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config: GemmConfig, interpr
     bm, bn = config.block_m, config.block_n
     as_t = a_scale.T  # [kb, M]
     bs_t = jnp.repeat(b_scale_inv, BK, axis=0)[:n].T  # [kb, N], one scale per row of B
-    kernel = functools.partial(_gemm_kernel, m=m, n=n, k=k)
-    return pl.pallas_call(
+    splits = min(config.k_splits, kb)
+    per = pl.cdiv(kb, splits)
+    splits = pl.cdiv(kb, per)  # no empty split
+    kernel = functools.partial(_gemm_kernel, m=m, n=n, k=k, blocks_per_split=per if splits > 1 else 0)
+    if splits > 1:
+        grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), splits)
+        out_spec = pl.BlockSpec((1, bm, bn), lambda i, j, s: (s, i, j))
+        out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+    else:
+        grid = (pl.cdiv(m, bm), pl.cdiv(n, bn))
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
+        out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+    out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
+        grid=grid,
         in_specs=[
-            pl.BlockSpec((bm, kb * BK), lambda i, j: (i, 0)),
-            pl.BlockSpec((kb, bm), lambda i, j: (0, i)),
-            pl.BlockSpec((bn, kb * BK), lambda i, j: (j, 0)),
-            pl.BlockSpec((kb, bn), lambda i, j: (0, j)),
+            pl.BlockSpec((bm, kb * BK), lambda i, j, *s: (i, 0)),
+            pl.BlockSpec((kb, bm), lambda i, j, *s: (0, i)),
+            pl.BlockSpec((bn, kb * BK), lambda i, j, *s: (j, 0)),
+            pl.BlockSpec((kb, bn), lambda i, j, *s: (0, j)),
         ],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_specs=out_spec,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="fp8_block_gemm",
     )(a, as_t, b, bs_t)
+    if splits > 1:  # the partials in split order, one rounding
+        out = out.sum(0).astype(out_dtype)
+    return out
 
 
 

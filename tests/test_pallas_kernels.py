@@ -140,6 +140,10 @@ GEMM_CASES = [
     (32, 64, 256, fg.GemmConfig(16, 16, 4, 2)),  # aligned: unmasked path, BN < 128
     (40, 130, 130, fg.GemmConfig(32, 64, 4, 2)),  # partial everywhere, N spans two scale blocks
     (16, 256, 128, fg.GemmConfig(16, 256, 4, 2)),  # BN > 128: two weight scale blocks per tile
+    # split-K: 5 K blocks as 3 + 2, masked edges; 8 blocks as 4 x 2, aligned; more splits than blocks (2 used)
+    (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, k_splits=2)),
+    (32, 256, 1024, fg.GemmConfig(16, 128, 4, 2, k_splits=4)),
+    (16, 64, 256, fg.GemmConfig(16, 64, 4, 2, k_splits=8)),
 ]
 
 
@@ -272,7 +276,8 @@ class TestTritonLowering:
             text = fq._quantize_stacked.trace(w, config, False).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
 
-    @pytest.mark.parametrize("config", [fg.DEFAULT_CONFIG, *fg.SWEEP_CONFIGS, GEMM_CASES[0][3]], ids=str)
+    @pytest.mark.parametrize("config", [fg.DEFAULT_CONFIG, *fg.SWEEP_CONFIGS, *fg.DECODE_CONFIGS, GEMM_CASES[0][3]],
+                             ids=str)
     @pytest.mark.parametrize("mnk", [(5, 300, 200), (256, 512, 1024)], ids=str)
     def test_gemm_lowers(self, config, mnk):
         m, n, k = mnk
