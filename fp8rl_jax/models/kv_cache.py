@@ -194,8 +194,8 @@ class PagedKVCache:
             one = jax.sharding.SingleDeviceSharding(device)
             pool = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=one)
             ones = jax.jit(functools.partial(jnp.ones, (num_layers,), jnp.float32), out_shardings=one)
-            return cls(k_pages=tuple(pool() for _ in range(num_layers)), v_pages=tuple(pool() for _ in range(num_layers)),
-                       k_scale=ones(), v_scale=ones(),
+            return cls(k_pages=tuple(pool() for _ in range(num_layers)),
+                       v_pages=tuple(pool() for _ in range(num_layers)), k_scale=ones(), v_scale=ones(),
                        page_table=jax.device_put(jnp.zeros((batch, max_pages), jnp.int32), device),
                        lengths=jax.device_put(jnp.zeros((batch,), jnp.int32), device), kernels=kernels, heads=heads)
         if heads is None:

@@ -482,7 +482,7 @@ class JaxEngine:
             return
         c, cfg = self.model_config, self.config
         try:
-            # one device: the cache committed to it, like every input `_put` places (module-level note in `_put`)
+            # one device: the cache committed to it, like every input `_put` places (`_put`'s note says why)
             cache = PagedKVCache.init(c.num_layers, self.num_pages, cfg.page_size, c.num_kv_heads, c.head_dim,
                                       cfg.max_slots, self.max_pages, self.kv_dtype, kernels=self._slept["kernels"],
                                       heads=self.heads, device=jax.devices()[0] if self.heads is None else None)
@@ -521,7 +521,8 @@ class JaxEngine:
                progress: Callable[[str, float], None] | None = None, recompute: bool = True,
                truncation: bool = False) -> float:
         """Compiles every program a generate can need, without changing the engine's state: the decode loop
-        of every row bucket (``EngineConfig.decode_buckets``) and the merge of a continued chunk's state, the prefill of every bucket from
+        of every row bucket (``EngineConfig.decode_buckets``) and the merge of a continued chunk's state, swap
+        preemption's copies (with ``swap_space_gib``), the prefill of every bucket from
         ``bucket(min_prompt_len)`` up to ``bucket(max_seq_len)`` (a sequence recomputed after preemption is
         prefilled at its whole context, up to ``max_seq_len``), and, for FP8 KV with inference-side
         calibration, the calibration forward of the prompt buckets up to ``bucket(max_prompt_len)`` (default
