@@ -1,6 +1,7 @@
 """Offline codegen inspection of Pallas (Triton) kernels for sm_90 (no GPU): the paged-attention decode
 kernel (default) or, with ``--kernel grouped_gemm``, the FP8 MoE grouped GEMM at a Qwen3-30B-A3B expert
-shape (``--gg-configs block_m,block_n,warps,stages[,swap]``; whether the K loop runs wgmma or mma.sync).
+shape (``--gg-configs block_m,block_n,warps,stages[,swap]``; whether the K loop runs wgmma or mma.sync), or with
+``--kernel gemm`` the dense FP8 GEMM's split-K decode configs (``--gemm-configs bm,bn,warps,stages,k_splits``).
 
 Two halves, run by two interpreters (jax's XLA bundles its own Triton; the `triton` wheel is only
 needed for the offline compile):
@@ -96,6 +97,31 @@ def dump_grouped_gemm(captured: list[str], out: Path, configs: list[str], tokens
         gg._fp8_grouped_gemm.trace(*args, jnp.dtype(jnp.bfloat16), cfg, False).lower(lowering_platforms=("cuda",))
         assert len(captured) == 1, len(captured)
         name = f"gg_n{n}_k{k}_bm{bm}_bn{bn}_w{w}_s{st}{'_swap' if swap else ''}"
+        (out / f"{name}.ttir").write_text(captured[0])
+        jobs.append({"name": name, "num_warps": w, "num_stages": st})
+    return jobs
+
+
+def dump_gemm(captured: list[str], out: Path, configs: list[str], m: int, n: int, k: int) -> list[dict]:
+    """TTIR of the dense `fp8_gemm` (Triton) per config ``block_m,block_n,warps,stages,k_splits`` at [M, K] x [N, K]^T
+    (``captured``: the list `triton_ir_for_h200` fills): whether its decode configs' K loop runs wgmma."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import fp8_gemm as fg
+
+    S = jax.ShapeDtypeStruct
+    kb = -(-k // 128)
+    args = (S((m, k), jnp.float8_e4m3fn), S((m, kb), jnp.float32), S((n, k), jnp.float8_e4m3fn),
+            S((-(-n // 128), kb), jnp.float32))
+    jobs = []
+    for spec in configs:
+        bm, bn, w, st, ks = (int(x) for x in spec.split(","))
+        cfg = fg.GemmConfig(bm, bn, w, st, k_splits=ks)
+        captured.clear()
+        fg._fp8_gemm.trace(*args, jnp.dtype(jnp.bfloat16), cfg, False).lower(lowering_platforms=("cuda",))
+        assert len(captured) == 1, len(captured)
+        name = f"gemm_m{m}_n{n}_k{k}_bm{bm}_bn{bn}_w{w}_s{st}_k{ks}"
         (out / f"{name}.ttir").write_text(captured[0])
         jobs.append({"name": name, "num_warps": w, "num_stages": st})
     return jobs
@@ -241,7 +267,10 @@ def main(argv=None) -> int:
     p.add_argument("--word-gather", action="store_true",
                    help="fp8_word_gather=True (FP8 pools with float16 dots: uint32 words split into byte planes)")
     p.add_argument("--kv-heads", type=int, nargs="*", default=[1], help="kv_heads_per_program of the configs")
-    p.add_argument("--kernel", choices=("paged_attention", "grouped_gemm"), default="paged_attention")
+    p.add_argument("--kernel", choices=("paged_attention", "grouped_gemm", "gemm"), default="paged_attention")
+    p.add_argument("--gemm-configs", nargs="*", default=["64,64,4,4,2", "128,64,4,4,4", "128,128,8,4,4"],
+                   help="gemm: block_m,block_n,num_warps,num_stages,k_splits per config (fp8_gemm.GemmConfig)")
+    p.add_argument("--gemm-shape", type=int, nargs=3, default=[128, 4096, 4096], metavar=("M", "N", "K"))
     p.add_argument("--gg-configs", nargs="*", default=["16,64,4,4", "64,128,4,3", "16,64,4,4,swap", "16,128,4,4,swap"],
                    help="grouped_gemm: block_m,block_n,num_warps,num_stages[,swap] per config")
     p.add_argument("--gg-shape", type=int, nargs=3, default=[256, 768, 2048], metavar=("TOKENS", "N", "K"),
@@ -257,6 +286,8 @@ def main(argv=None) -> int:
         with triton_ir_for_h200() as captured:
             if a.kernel == "grouped_gemm":
                 jobs = dump_grouped_gemm(captured, out, a.gg_configs, *a.gg_shape)
+            elif a.kernel == "gemm":
+                jobs = dump_gemm(captured, out, a.gemm_configs, *a.gemm_shape)
             else:
                 jobs = dump(captured, out, a.dtypes, a.bp, a.stages, a.warps, a.batch, a.context, a.dot_dtypes,
                             a.word_gather, a.kv_heads)

@@ -189,6 +189,17 @@ def test_inspect_codegen_counts_the_innermost_loop_of_sass():
     assert insp._sass_loop("/*0000*/ EXIT ;") == {}
 
 
+def test_inspect_codegen_dumps_the_dense_gemm_split_k_configs(tmp_path):
+    """``--kernel gemm --phase dump``: the Triton IR of each split-K config of the dense FP8 GEMM, lowered for sm_90
+    on the CPU (the compile phase needs the triton wheel and runs elsewhere)."""
+    insp = _load("inspect_triton_codegen")
+    assert insp.main(["--kernel", "gemm", "--phase", "dump", "--out", str(tmp_path), "--gemm-configs", "64,64,4,4,2",
+                      "128,64,4,3,4", "--gemm-shape", "64", "256", "512"]) == 0
+    names = [j["name"] for j in __import__("json").loads((tmp_path / "jobs.json").read_text())]
+    assert names == ["gemm_m64_n256_k512_bm64_bn64_w4_s4_k2", "gemm_m64_n256_k512_bm128_bn64_w4_s3_k4"]
+    assert all("tt.dot" in (tmp_path / f"{n}.ttir").read_text() for n in names)
+
+
 def test_bench_decode_gemms_tiny(tmp_path):
     """Every decode GEMM of the preset in each variant, with its error against float64 (on the CPU the timings
     are NaN: no GPU kernels to trace)."""
