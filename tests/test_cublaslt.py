@@ -359,6 +359,36 @@ def test_auto_follows_the_measured_table_per_shape(tmp_path, monkeypatch):
         P._default_backend.cache_clear()
 
 
+def test_triton_backend_runs_the_split_k_kernel(monkeypatch):
+    """``GemmBackend.TRITON`` (or ``FP8RL_FP8_GEMM=triton``) runs the dense W8A8 matmul on the Triton kernel with
+    `triton_config`'s split-K tiling for the rows (interpret mode here), in the policy and in FP8 training's
+    GEMM; the product equals the reference's."""
+    import fp8rl_jax.quant.policy as P
+    import fp8rl_jax.quant.training as T
+
+    configs = []
+    real = P.gemm_kernel.fp8_gemm
+
+    def spy(*args, config=None, **kw):
+        configs.append(config)
+        return real(*args, config=config, **kw)
+
+    monkeypatch.setattr(P.gemm_kernel, "fp8_gemm", spy)
+    monkeypatch.setattr(P.mgpu_kernel, "fp8_gemm_mgpu", lambda *a, **k: pytest.fail("the Mosaic kernel ran"))
+    x = jax.random.normal(jax.random.key(1), (3, 5, 256), jnp.float32)
+    w = quantize_weight_blockwise(jax.random.normal(jax.random.key(2), (384, 256), jnp.float32) * 0.1)
+    ref = W8A8Policy("float32", kernels=Kernels.REFERENCE).dot(x, w, Site(0, Proj.Q))
+    y = W8A8Policy("float32", kernels=Kernels.PALLAS, gemm=GemmBackend.TRITON).dot(x, w, Site(0, Proj.Q))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    assert configs == [P.triton_config(15)] and configs[0].k_splits == 2
+    monkeypatch.setenv("FP8RL_FP8_GEMM", "triton")
+    W8A8Policy("float32", kernels=Kernels.PALLAS).dot(x, w, Site(0, Proj.Q))
+    qa, sa = quantize_activations(x.reshape(15, 256))
+    T._block_gemm(qa, sa, w.q, w.scale_inv, jnp.float32, GemmBackend.AUTO)
+    assert len(configs) == 3
+    assert [P.triton_config(m).k_splits for m in (16, 128, 256, 4096)] == [2, 4, 4, 1]
+
+
 def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):
     """With gemm=cublaslt on a (stand-in) GPU the dense FP8 matmul calls cuBLASLt with the quantized
     activations and the weight as stored; a shape it does not take goes to the Pallas kernels."""

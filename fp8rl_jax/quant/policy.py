@@ -20,7 +20,8 @@ bit-identical to the reference evaluated on the CPU; the GEMM is ``pallas_kernel
 (TMA + wgmma, Mosaic GPU) where the shape allows (K a multiple of 128, N of its 128-wide CTA tile:
 every Qwen3 projection) and ``pallas_kernels.fp8_gemm`` (Triton lowering, masked edges) otherwise,
 or cuBLASLt's block-scaled FP8 GEMM (``fp8rl_jax.quant.cublaslt``) with ``gemm=GemmBackend.CUBLASLT`` or
-``FP8RL_FP8_GEMM=cublaslt``); elsewhere the jnp reference. (On XLA:GPU the reference's ``amax / 448`` compiles to a multiply by the
+``FP8RL_FP8_GEMM=cublaslt``), or the Triton kernel with split-K at decode sizes with ``GemmBackend.TRITON``
+(`triton_config`); elsewhere the jnp reference. (On XLA:GPU the reference's ``amax / 448`` compiles to a multiply by the
 reciprocal, one ulp low on about half the scales as measured on the H200; the kernel divides
 exactly, one more reason GPU quantization goes through it.)
 The reference GEMM dequantizes both operands and multiplies in float32 (HIGHEST): the same
@@ -234,6 +235,7 @@ class GemmBackend(enum.Enum):
     AUTO = "auto"  # FP8RL_FP8_GEMM, else the measured table's choice for the shape or the device kind, else MOSAIC
     MOSAIC = "mosaic"  # pallas_kernels.fp8_gemm_mgpu where the shape allows, the Triton fp8_gemm elsewhere
     CUBLASLT = "cublaslt"  # fp8rl_jax.quant.cublaslt (cuBLAS's block-scaled FP8) where the shape allows
+    TRITON = "triton"  # pallas_kernels.fp8_gemm with `triton_config`: split-K at decode-sized M (untimed on the GPU)
 
     def resolve(self, m: int | None = None, n: int | None = None, k: int | None = None) -> GemmBackend:
         """The backend for an ``[M, K] x [N, K]^T`` GEMM: this one unless AUTO; for AUTO the
@@ -248,7 +250,7 @@ class GemmBackend(enum.Enum):
             try:
                 return GemmBackend(env)
             except ValueError:
-                raise ValueError(f"FP8RL_FP8_GEMM must be one of auto, mosaic, cublaslt; got {env!r}") from None
+                raise ValueError(f"FP8RL_FP8_GEMM must be one of auto, mosaic, cublaslt, triton; got {env!r}") from None
         if m is not None and n is not None and k is not None:
             chosen = _measured_backends(device_kind()).get((m_bucket(m), n, k))
             if chosen is not None:
@@ -264,6 +266,20 @@ class GemmBackend(enum.Enum):
 def _interpret() -> bool:
     """Pallas kernels run in interpret mode off the GPU."""
     return jax.default_backend() != "gpu"
+
+
+def triton_config(m: int) -> gemm_kernel.GemmConfig:
+    """The Triton GEMM's tiling for ``GemmBackend.TRITON`` at M rows: one of `pallas_kernels.fp8_gemm.DECODE_CONFIGS`
+    (the whole M in one tile, 64-wide N tiles, K split so the programs fill the SMs: Qwen3-8B's o_proj at 128 rows runs
+    64 x 4 programs) up to 256 rows, else its default tiling. A starting point until the GPU has timed them
+    (``experiments/bench_decode_gemms.py --triton``)."""
+    if m <= 64:
+        return gemm_kernel.GemmConfig(64, 64, 4, 4, k_splits=2)
+    if m <= 128:
+        return gemm_kernel.GemmConfig(128, 64, 4, 4, k_splits=4)
+    if m <= 256:
+        return gemm_kernel.GemmConfig(256, 64, 8, 3, k_splits=4)
+    return gemm_kernel.DEFAULT_CONFIG
 
 
 def use_cublaslt(gemm: GemmBackend, m: int, n: int, k: int, out_dtype: Any) -> bool:
@@ -404,6 +420,8 @@ class W8A8Policy(MatmulPolicy):
             return cublaslt.fp8_gemm_cublaslt_t(xq, xs, q, s, out_dtype=out_dtype,
                                                 algo=cublaslt_algo(xq.shape[0], *q.shape))
         m, (n, k) = xq.shape[0], q.shape
+        if self.gemm.resolve(m, n, k) is GemmBackend.TRITON:
+            return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, config=triton_config(m), interpret=interpret)
         if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
             return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
         return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K

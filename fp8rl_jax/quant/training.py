@@ -115,7 +115,7 @@ from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, MatmulPolicy, Site
 from fp8rl_jax.quant.fp8 import Fp8Format, QuantizedWeight, dequantize_activations, quantize_activations
 from fp8rl_jax.quant import cublaslt
-from fp8rl_jax.quant.policy import GemmBackend, Kernels, LayerPolicy, quantize_weight, use_cublaslt
+from fp8rl_jax.quant.policy import GemmBackend, Kernels, LayerPolicy, quantize_weight, triton_config, use_cublaslt
 from pallas_kernels import fp8_gemm as gemm_kernel
 from pallas_kernels import fp8_gemm_mgpu as mgpu_kernel
 
@@ -212,12 +212,14 @@ def _block_gemm(aq: jax.Array, a_s: jax.Array, bq: jax.Array, b_s: jax.Array, dt
                 gemm: GemmBackend) -> jax.Array:
     """FP8 ``A [M, K] (1x128) @ B [N, K]ᵀ (128x128)`` on the GPU GEMMs, as ``W8A8Policy`` picks
     them: cuBLASLt's block-scaled FP8 where ``gemm`` picks it (by name, ``FP8RL_FP8_GEMM``, or the measured
-    table for the shape) and it takes the shape, else the Mosaic GPU kernel (TMA + wgmma) where
-    it takes the shape, else the Triton one."""
+    table for the shape) and it takes the shape, the Triton kernel where ``gemm`` resolves to it, else the Mosaic
+    GPU kernel (TMA + wgmma) where it takes the shape, else the Triton one."""
     m, k = aq.shape
     n = bq.shape[0]
     if not _interpret() and use_cublaslt(gemm, m, n, k, dt):
         return cublaslt.fp8_gemm_cublaslt(aq, a_s, bq, b_s, out_dtype=dt)
+    if gemm.resolve(m, n, k) is GemmBackend.TRITON:
+        return gemm_kernel.fp8_gemm(aq, a_s, bq, b_s, out_dtype=dt, config=triton_config(m), interpret=_interpret())
     if mgpu_kernel.supports(m, n, k):
         return mgpu_kernel.fp8_gemm_mgpu(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
     return gemm_kernel.fp8_gemm(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
