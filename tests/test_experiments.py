@@ -233,12 +233,13 @@ def test_profile_decode_tiny(tmp_path, one_layer_presets):
     assert out.exists() and [r["mode"] for r in res["runs"]] == ["none", "kv"]
     for r in res["runs"]:
         assert r["step_ms"] > 0 and len(r["call_s"]) == 1 and r["kv_gb_per_step"] > 0 and "trace" not in r
+        assert r["recompiled_in_timed_calls"] == 0  # the first call compiled the only program the timed ones ran
         assert r["gpu_during_calls"] is None  # no nvidia-smi here
     # --hold: every call from the same lengths, so the KV read per step is that of one call's state
     held = prof.main(["--preset", "tiny_qwen3", "--batch", "4", "--context", "40", "--steps", "4", "--repeats", "3",
                       "--modes", "kv", "--dtype", "float32", "--lengths", "equal", "--hold", "--no-trace"])["runs"][0]
     kv = res["runs"][1]
-    assert len(held["call_s"]) == 3
+    assert len(held["call_s"]) == 3 and held["recompiled_in_timed_calls"] == 0
     # per row: context + steps / 2 tokens (held) against context + steps * (repeats + 1) / 2 (1 repeat, advancing)
     assert held["kv_gb_per_step"] / kv["kv_gb_per_step"] == pytest.approx((40 + 2) / (40 + 4))
     # --prefill: the prefill program, 3 prompts of 24 tokens per call
