@@ -574,11 +574,12 @@ class JaxEngine:
                 self.cache = out[3]
                 done(f"decode {R}x{self.config.steps_per_call}{tag}", out)
         # the merge of a continued chunk's device state with the host's rows (`_dispatch_decode`), as it runs
-        rows = self._put((np.zeros((B,), bool), np.zeros((B,), np.int32)))
-        state = self._put((np.zeros((B,), np.int32), np.zeros((B,), bool), np.zeros((B,), np.int32)))
-        for gather in (False, True):
-            done(f"decode continuation{' (moved rows)' if gather else ''}",
-                 _continue_rows(*rows, (*state, self.cache.lengths), (*state, self.cache.lengths), gather=gather))
+        cont, src = self._put((np.zeros((B,), bool), np.zeros((B,), np.int32)))
+        state = (*self._put((np.zeros((B,), np.int32), np.zeros((B,), bool), np.zeros((B,), np.int32))),
+                 self.cache.lengths)
+        for moved in (None, src):
+            done(f"decode continuation{' (moved rows)' if moved is not None else ''}",
+                 _continue_rows(cont, state, state, moved))
         if self.config.swap_space_gib > 0:  # swap preemption's copies, the scatter writing nothing (ids dropped)
             k, v = _gather_pages(self.cache.k_pages, self.cache.v_pages, self._put(np.zeros((SWAP_CHUNK_PAGES,),
                                                                                             np.int32)))
@@ -933,10 +934,10 @@ class JaxEngine:
         cont = src >= 0
         host_lengths, host_last, host_active = self._put((np.asarray(lengths), host_last, host_active))
         if cont.any():
-            moved = not (src == np.arange(len(reqs)))[cont].all()  # usually nothing moved: no gather
+            moved = not (src == np.arange(len(reqs)))[cont].all()  # usually nothing moved: no gather, no indices
             last, active, remaining, cache_lengths = _continue_rows(
-                *self._put((cont, np.maximum(src, 0))), (*pending.state, self.cache.lengths),
-                (host_last, host_active, remaining, host_lengths), gather=moved)
+                self._put(cont), (*pending.state, self.cache.lengths), (host_last, host_active, remaining, host_lengths),
+                self._put(np.maximum(src, 0)) if moved else None)
         else:
             last, active, cache_lengths = host_last, host_active, host_lengths
         self.cache = self.cache.replace(page_table=self._put(page_table), lengths=cache_lengths)
@@ -1213,14 +1214,14 @@ def _to_device(x: Any) -> Any:
     return x
 
 
-@functools.partial(jax.jit, static_argnames=("gather",))
-def _continue_rows(cont, src, device, host, *, gather):
+@jax.jit
+def _continue_rows(cont, device, host, src=None):
     """The rows' decode state (tuples of [B] arrays: last token, active, tokens left, cache length): where
-    ``cont``, the state the chunk in flight leaves on the device (at its row ``src`` when ``gather``: `_compact`
+    ``cont``, the state the chunk in flight leaves on the device (at its row ``src`` unless None: `_compact`
     moved requests), else the host's. One compiled program: as eager ops these were ~10 programs compiled at a
     generate's first continued chunk (its dispatch took 0.34-0.35 s on the H200, session 26), and `warmup`
     compiles it."""
-    take = (lambda x: jnp.take(x, src, axis=0)) if gather else (lambda x: x)  # noqa: E731
+    take = (lambda x: x) if src is None else (lambda x: jnp.take(x, src, axis=0))  # noqa: E731
     return tuple(jnp.where(cont, take(d), h) for d, h in zip(device, host))
 
 
