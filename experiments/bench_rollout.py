@@ -224,6 +224,7 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
     row.update({"weight_sync_ms": sync_ms,  # median of sync_repeats
                 "weight_sync_ms_all": syncs,
                 "warmup_compile_s": compile_s,
+                "swap_reserve_s": engine.swap_reserve_s,  # host memory pinned for swap preemption, in warm-up
                 "setup_s": phases,
                 "kv_pages": engine.num_pages,
                 "kv_pool_gib": engine.kv_pool_bytes / 2**30,

@@ -498,3 +498,38 @@ def test_decode_program_keeps_xla_split_k_out():
     assert engine_mod.decode_program() is engine_mod._decode
     assert heuristic_split, "XLA's heuristic no longer splits these GEMMs: the forced option may be moot; recheck"
     assert ours and not ours_split, ours_split
+
+
+def test_swap_space_is_pinned_once_with_a_clear_error(monkeypatch):
+    """`JaxEngine.reserve_swap_space` pins ``swap_space_gib`` of host memory in blocks once per engine (XLA's
+    pinned-host allocator grows by doubling regions, and growing it inside a run stalled the H200's W2 run); the
+    second call and engines without swap space pin nothing; a host that cannot pin it gets an error naming the
+    setting, and the engine stays usable."""
+    from fp8rl_jax.rollout import engine as E
+    cfg = tiny_qwen3
+    params = init_params(cfg, jax.random.key(0), jnp.float32)
+    pinned = []
+    real = E._to_host
+
+    def counting(x):
+        pinned.append(x.nbytes)
+        return real(x)
+
+    monkeypatch.setattr(E, "_to_host", counting)
+    eng = JaxEngine(cfg, params, dataclasses.replace(F32, swap_space_gib=0.75))
+    assert eng.swap_reserve_s is None
+    assert eng.reserve_swap_space() >= 0 and eng.swap_reserve_s is not None
+    assert len(pinned) == 3 and sum(pinned) == 0.75 * 2**30  # three 256 MiB blocks
+    assert eng.reserve_swap_space() == 0.0 and len(pinned) == 3
+    JaxEngine(cfg, params, F32).reserve_swap_space()
+    assert len(pinned) == 3
+
+    def failing(x):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of pinned host memory")
+
+    monkeypatch.setattr(E, "_to_host", failing)
+    broken = JaxEngine(cfg, params, dataclasses.replace(F32, swap_space_gib=2.0))
+    with pytest.raises(RuntimeError, match="swap_space_gib = 2.0 GiB"):
+        broken.generate([[1, 2, 3]], SamplingConfig(max_tokens=2))
+    monkeypatch.setattr(E, "_to_host", real)
+    assert len(broken.generate([[1, 2, 3]], SamplingConfig(max_tokens=2)).token_lists()[0]) == 2

@@ -96,6 +96,7 @@ from fp8rl_jax.rollout.watchdog import StallWatchdog
 
 _FINISH_CODES = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.MAX_LEN}
 SWAP_CHUNK_PAGES = 32  # pages per swap copy (one compiled gather and one scatter; a sequence takes several)
+SWAP_RESERVE_BLOCK = 256 * 2**20  # bytes per block `JaxEngine.reserve_swap_space` pins
 _NO_STOP = -1
 
 
@@ -176,7 +177,10 @@ class EngineConfig:
         instead of a prefill recomputing its whole context; preemption recomputes when the space is full.
         0 (default): recompute only. Why: W2 on the H200 recomputes 25 sequences of ~5.8k tokens in BF16, 5-6 s
         of prefill in a 166 s run, where the copies move ~0.9 GB each way per sequence. Results are the same
-        either way (tokens and logprobs: decode continues from the same KV).
+        either way (tokens and logprobs: decode continues from the same KV). On a GPU the space is pinned once,
+        at the first ``warmup`` or ``generate`` (`JaxEngine.reserve_swap_space`), as vLLM allocates its swap
+        space at start: XLA's pinned-host allocator grows by doubling regions, and pinning each new one inside
+        a run stalled it (H200 session 27: 0.4 -> 3.9 s per growth, ~16 s of a 174 s W2 run).
       sampling_draw: how sampled rows draw their token (`fp8rl_jax.rollout.sampling.Draw`): the inverse
         CDF (default: one uniform per row) or Gumbel-max (V threefry numbers per row): the same
         distribution, other tokens for a seed. H200, Qwen3-8B kv decode at 256 rows (session 19, one
@@ -328,6 +332,7 @@ class JaxEngine:
             raise ValueError("EngineConfig.record_routing needs an MoE model; this config has no MoE layer "
                              "(num_experts = 0)")
         self.params = None
+        self.swap_reserve_s: float | None = None  # seconds `reserve_swap_space` took (None: not yet run)
         self.stats: dict[str, float] = {}  # of the last generate: device-call counts, seconds, tokens (``_run``)
         # of the last generate, one entry per decode call read, in order: (device seconds, rows running at its
         # start, context tokens they read at its first step, host seconds from the previous call's observed
@@ -587,6 +592,8 @@ class JaxEngine:
             self.cache = _scatter_pages(self.cache, self._put(np.full((SWAP_CHUNK_PAGES,), self.num_pages, np.int32)),
                                         k, v)
             done("swap copies", self.cache)
+            self.reserve_swap_space()
+            done("swap space pinned", self.cache)
         if self.config.fp8_kv and self.config.kv_calibration is KvCalibration.INFERENCE:
             n = self.config.kv_calibration_prompts
             for T in (b for b in buckets if b <= self._bucket(top)):
@@ -616,6 +623,7 @@ class JaxEngine:
         requests = self._validate(prompts, sampling)
         self._need_weights()
         self.wake()
+        self.reserve_swap_space()
         self._ensure_kv_scales(requests)
         self._run(requests)
         n = len(requests)
@@ -783,6 +791,36 @@ class JaxEngine:
             pending = chunk
 
     # ----------------------------------------------------------------------- device calls
+
+    def reserve_swap_space(self) -> float:
+        """Pins ``swap_space_gib`` of host memory for swap preemption, once per engine (a no-op without swap
+        space, where the devices have no pinned host memory, or after the first call; ``generate`` and ``warmup``
+        call it) and returns the seconds it took. The blocks are released at once: XLA's pinned-host allocator
+        keeps the regions it grew and carves the swap copies from them later. Raises a ``RuntimeError`` naming
+        ``swap_space_gib`` when the host cannot pin that much."""
+        if self.swap_reserve_s is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        gib = self.config.swap_space_gib
+        devices = sorted(self.cache.k_pages[0].sharding.device_set, key=lambda d: d.id) if self.cache else []
+        if gib > 0 and devices and all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices):
+            per_device = math.ceil(gib * 2**30 / len(devices))
+            blk = min(SWAP_RESERVE_BLOCK, per_device)
+            held = []
+            try:
+                for d in devices:
+                    x = jax.device_put(np.zeros((blk,), np.uint8), d)
+                    held += [_to_host(x) for _ in range(math.ceil(per_device / blk))]
+                    jax.block_until_ready(held)
+            except Exception as e:  # XLA's resource-exhausted error: say which setting asked for it
+                raise RuntimeError(f"JaxEngine: cannot pin EngineConfig.swap_space_gib = {gib} GiB of host memory "
+                                   f"for swap preemption ({e}); lower it, or 0 to recompute preempted "
+                                   f"sequences") from e
+            finally:
+                for h in held:
+                    h.delete()
+        self.swap_reserve_s = time.perf_counter() - t0
+        return self.swap_reserve_s
 
     def _swap_out(self, r: _Request, page_ids: list[int], tokens: int) -> None:
         """Copies the first ``tokens`` cached tokens of a request being preempted (its pages ``page_ids``) to host
