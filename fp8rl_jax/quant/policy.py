@@ -235,7 +235,8 @@ class GemmBackend(enum.Enum):
     AUTO = "auto"  # FP8RL_FP8_GEMM, else the measured table's choice for the shape or the device kind, else MOSAIC
     MOSAIC = "mosaic"  # pallas_kernels.fp8_gemm_mgpu where the shape allows, the Triton fp8_gemm elsewhere
     CUBLASLT = "cublaslt"  # fp8rl_jax.quant.cublaslt (cuBLAS's block-scaled FP8) where the shape allows
-    TRITON = "triton"  # pallas_kernels.fp8_gemm with `triton_config`: split-K at decode-sized M (untimed on the GPU)
+    TRITON = "triton"  # pallas_kernels.fp8_gemm with `triton_config`: split-K at decode-sized M (opt-in: 1.02-2.86x
+    # cuBLASLt's GPU time at Qwen3-8B's decode shapes on the H200, session 27)
 
     def resolve(self, m: int | None = None, n: int | None = None, k: int | None = None) -> GemmBackend:
         """The backend for an ``[M, K] x [N, K]^T`` GEMM: this one unless AUTO; for AUTO the
@@ -270,15 +271,16 @@ def _interpret() -> bool:
 
 def triton_config(m: int) -> gemm_kernel.GemmConfig:
     """The Triton GEMM's tiling for ``GemmBackend.TRITON`` at M rows: one of `pallas_kernels.fp8_gemm.DECODE_CONFIGS`
-    (the whole M in one tile, 64-wide N tiles, K split so the programs fill the SMs: Qwen3-8B's o_proj at 128 rows runs
-    64 x 4 programs) up to 256 rows, else its default tiling. A starting point until the GPU has timed them
-    (``experiments/bench_decode_gemms.py --triton``)."""
+    (64-wide N tiles, M in one or two tiles, K split so the programs fill the SMs: Qwen3-8B's o_proj at 128 rows runs
+    64 x 4 programs) up to 256 rows, else its default tiling. ``experiments/bench_decode_gemms.py --triton`` times them
+    (H200 session 27: the best per shape and M was 64 x 64 with 2 splits or 128 x 64 with 2-4, none faster than
+    cuBLASLt)."""
     if m <= 64:
         return gemm_kernel.GemmConfig(64, 64, 4, 4, k_splits=2)
     if m <= 128:
         return gemm_kernel.GemmConfig(128, 64, 4, 4, k_splits=4)
-    if m <= 256:
-        return gemm_kernel.GemmConfig(256, 64, 8, 3, k_splits=4)
+    if m <= 256:  # the fastest at 256 rows on 3 of the 4 Qwen3-8B shapes (H200 session 27)
+        return gemm_kernel.GemmConfig(128, 64, 4, 4, k_splits=2)
     return gemm_kernel.DEFAULT_CONFIG
 
 
