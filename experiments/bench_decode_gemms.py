@@ -115,7 +115,9 @@ def main(argv=None) -> list[dict]:
                     from fp8rl_jax.quant import cublaslt
                     variants["fp8_cublaslt"] = (lambda x, op: cublaslt.fp8_gemm_cublaslt(*op), ops, ref_q)
                 for cfg in triton_gemm.DECODE_CONFIGS:
-                    name_ = f"fp8_triton_{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}k{cfg.k_splits}"
+                    name_ = (f"fp8_triton_{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}k{cfg.k_splits}"
+                             + "_swap" * cfg.swap_ab + "_preload" * cfg.preload_scales
+                             + "_prefetch" * cfg.prefetch_scales)
                     variants[name_] = (lambda x, op, cfg=cfg: triton_gemm.fp8_gemm(*op, config=cfg), ops,
                                        ref_q)
             flop = 2.0 * m * n * k

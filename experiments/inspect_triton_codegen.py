@@ -1,7 +1,8 @@
 """Offline codegen inspection of Pallas (Triton) kernels for sm_90 (no GPU): the paged-attention decode
 kernel (default) or, with ``--kernel grouped_gemm``, the FP8 MoE grouped GEMM at a Qwen3-30B-A3B expert
 shape (``--gg-configs block_m,block_n,warps,stages[,swap]``; whether the K loop runs wgmma or mma.sync), or with
-``--kernel gemm`` the dense FP8 GEMM's split-K decode configs (``--gemm-configs bm,bn,warps,stages,k_splits``).
+``--kernel gemm`` the dense FP8 GEMM's split-K decode configs
+(``--gemm-configs bm,bn,warps,stages,k_splits[,swap][,preload][,prefetch]``).
 
 Two halves, run by two interpreters (jax's XLA bundles its own Triton; the `triton` wheel is only
 needed for the offline compile):
@@ -116,12 +117,15 @@ def dump_gemm(captured: list[str], out: Path, configs: list[str], m: int, n: int
             S((-(-n // 128), kb), jnp.float32))
     jobs = []
     for spec in configs:
-        bm, bn, w, st, ks = (int(x) for x in spec.split(","))
-        cfg = fg.GemmConfig(bm, bn, w, st, k_splits=ks)
+        f = spec.split(",")
+        bm, bn, w, st, ks = (int(x) for x in f[:5])
+        swap, preload, prefetch = "swap" in f[5:], "preload" in f[5:], "prefetch" in f[5:]
+        cfg = fg.GemmConfig(bm, bn, w, st, k_splits=ks, swap_ab=swap, preload_scales=preload, prefetch_scales=prefetch)
         captured.clear()
         fg._fp8_gemm.trace(*args, jnp.dtype(jnp.bfloat16), cfg, False).lower(lowering_platforms=("cuda",))
         assert len(captured) == 1, len(captured)
-        name = f"gemm_m{m}_n{n}_k{k}_bm{bm}_bn{bn}_w{w}_s{st}_k{ks}"
+        name = (f"gemm_m{m}_n{n}_k{k}_bm{bm}_bn{bn}_w{w}_s{st}_k{ks}{'_swap' if swap else ''}"
+                f"{'_preload' if preload else ''}{'_prefetch' if prefetch else ''}")
         (out / f"{name}.ttir").write_text(captured[0])
         jobs.append({"name": name, "num_warps": w, "num_stages": st})
     return jobs
@@ -269,7 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, nargs="*", default=[1], help="kv_heads_per_program of the configs")
     p.add_argument("--kernel", choices=("paged_attention", "grouped_gemm", "gemm"), default="paged_attention")
     p.add_argument("--gemm-configs", nargs="*", default=["64,64,4,4,2", "128,64,4,4,4", "128,128,8,4,4"],
-                   help="gemm: block_m,block_n,num_warps,num_stages,k_splits per config (fp8_gemm.GemmConfig)")
+                   help="gemm: block_m,block_n,num_warps,num_stages,k_splits[,swap][,preload][,prefetch] per config "
+                        "(fp8_gemm.GemmConfig: swap_ab, preload_scales, prefetch_scales)")
     p.add_argument("--gemm-shape", type=int, nargs=3, default=[128, 4096, 4096], metavar=("M", "N", "K"))
     p.add_argument("--gg-configs", nargs="*", default=["16,64,4,4", "64,128,4,3", "16,64,4,4,swap", "16,128,4,4,swap"],
                    help="grouped_gemm: block_m,block_n,num_warps,num_stages[,swap] per config")

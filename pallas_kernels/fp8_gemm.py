@@ -78,6 +78,18 @@ class GemmConfig:
         leave SMs idle: Qwen3-8B's o_proj at M = 128 has 32 tiles of 128 x 128 for 132 SMs). Each split runs a
         contiguous range of the 128-wide K blocks and writes a float32 partial ``[k_splits, M, N]``; XLA sums
         them in split order (deterministic) and casts once. 1: no split.
+      swap_ab: compute each tile transposed, ``out^T = B_tile @ A_tile^T`` ([block_n, block_m]): the weight's rows
+        on the wgmma's M side (64 per instruction), decode-sized M on its N side (8-256). Needs ``block_n``
+        dividing 128, so a tile's rows of B lie in one 128-row scale block: one weight scale per K step.
+      preload_scales: load the program's scales of every K step it runs before its K loop (the steps padded to a
+        power of two with zero scales), each step picking its own in registers, where they are otherwise loaded
+        per step: those loads do not feed a dot, so Triton's pipeliner leaves them as plain global loads whose
+        latency each step waits for (the H200 timed this kernel at 1.02-2.86x cuBLASLt at decode sizes without
+        it, session 27; the grouped kernel's decode tiles reached ~3 TB/s with it, session 13). Applied where
+        the scales fit `_PRELOAD_REGS` registers a thread, else the per-step loads.
+      prefetch_scales: each K step loads the next step's scales (carried in registers), so a load's latency is
+        hidden behind a whole step, without preloading's per-step selection (a cross-thread reduction in
+        shared memory). Where preloading applies too, preloading wins.
     """
 
     block_m: int = 128
@@ -85,6 +97,9 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 4
     k_splits: int = 1
+    swap_ab: bool = False
+    preload_scales: bool = False
+    prefetch_scales: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -95,6 +110,11 @@ class GemmConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"GemmConfig.{name} must be a positive int, got {v!r}")
+        for name in ("swap_ab", "preload_scales", "prefetch_scales"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GemmConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.swap_ab and BK % self.block_n:
+            raise ValueError(f"GemmConfig.swap_ab needs block_n dividing {BK}, got {self.block_n}")
 
 
 DEFAULT_CONFIG = GemmConfig()
@@ -108,25 +128,58 @@ SWEEP_CONFIGS = (
     GemmConfig(128, 256, 8, 3),
     GemmConfig(256, 128, 8, 3),
 )
-# Decode-sized M (the generator's 16-256 rows): the whole M in one tile, narrow N tiles and K split so the
-# programs fill the SMs while each streams a contiguous slab of the weight (memory-bound: the weight is read once).
-# Untimed on the GPU yet: `experiments/bench_decode_gemms.py --triton` times them beside cuBLASLt.
+# Decode-sized M (the generator's 16-256 rows): narrow N tiles and K split so the programs fill the SMs while each
+# streams a contiguous slab of the weight (memory-bound: the weight is read once). The first three, with per-step
+# scale loads, were the fastest of session 27's six on the H200 and still 1.02-2.86x cuBLASLt's GPU time; the rest
+# preload or prefetch their scales, and the swap_ab ones put the weight rows on the wgmma's M side (offline sm_90
+# codegen: every one runs wgmma with no spills and no global load left in its K loop but prefetch's next-step
+# scales; untimed on the GPU yet: `experiments/bench_decode_gemms.py --triton` times them beside cuBLASLt).
 DECODE_CONFIGS = (
     GemmConfig(64, 64, 4, 4, k_splits=2),
-    GemmConfig(64, 128, 4, 4, k_splits=2),
     GemmConfig(128, 64, 4, 4, k_splits=2),
     GemmConfig(128, 64, 4, 4, k_splits=4),
-    GemmConfig(128, 128, 8, 4, k_splits=4),
-    GemmConfig(256, 64, 8, 3, k_splits=4),
+    GemmConfig(64, 64, 4, 4, k_splits=2, preload_scales=True),
+    GemmConfig(128, 64, 4, 4, k_splits=4, preload_scales=True),
+    GemmConfig(128, 64, 4, 4, k_splits=2, prefetch_scales=True),
+    GemmConfig(64, 64, 4, 4, k_splits=2, swap_ab=True, preload_scales=True),
+    GemmConfig(128, 64, 4, 4, k_splits=2, swap_ab=True, preload_scales=True),
+    GemmConfig(128, 64, 4, 4, k_splits=4, swap_ab=True, preload_scales=True),
+    GemmConfig(128, 128, 8, 4, k_splits=2, swap_ab=True, preload_scales=True),
+    GemmConfig(256, 64, 8, 4, k_splits=4, swap_ab=True, preload_scales=True),
+    GemmConfig(64, 64, 4, 4, k_splits=2, swap_ab=True, prefetch_scales=True),
+    GemmConfig(128, 64, 4, 4, k_splits=2, swap_ab=True, prefetch_scales=True),
+    GemmConfig(128, 64, 4, 4, k_splits=4, swap_ab=True, prefetch_scales=True),
+    GemmConfig(256, 64, 8, 4, k_splits=4, swap_ab=True, prefetch_scales=True),
 )
 
+# Preloaded scales stay in registers for the whole K loop: at most this many float32 per thread.
+_PRELOAD_REGS = 48
 
-def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int, blocks_per_split: int = 0):
-    """Refs: a [BM, Kp], as [kb, BM], b [BN, Kp], bs [kb, BN], o [BM, BN] (Kp = kb * 128). With
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+def preload_steps(config: GemmConfig, steps: int) -> int:
+    """The K steps a program of ``config`` preloads the scales of when it runs ``steps`` of them (a power of two
+    >= steps), or 0 where it loads them per step: no ``preload_scales``, or more than `_PRELOAD_REGS` float32 a
+    thread (activation scales [P, block_m] plus the weight's: [P] with ``swap_ab``, else [P, block_n])."""
+    p = _next_pow2(steps)
+    per_thread = p * (config.block_m + (1 if config.swap_ab else config.block_n)) / (32 * config.num_warps)
+    return p if config.preload_scales and per_thread <= _PRELOAD_REGS else 0
+
+
+def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int, blocks_per_split: int = 0,
+                 swap_ab: bool = False, preload: int = 0, prefetch: bool = False):
+    """Refs: a [BM, Kp], as [kbp, BM], b [BN, Kp], bs [kbp, BN] (``swap_ab``: the unexpanded ``b_scale_inv
+    [ceil(N/128), kbp]``), o [BM, BN] (Kp = kb * 128; kbp >= kb rows of scales, zeros past kb). With
     ``blocks_per_split`` > 0 (split-K) the program runs K blocks ``[s * blocks_per_split, (s + 1) *
-    blocks_per_split)`` of its split s (grid axis 2) and ``o`` is its float32 partial, [1, BM, BN]."""
+    blocks_per_split)`` of its split s (grid axis 2) and ``o`` is its float32 partial, [1, BM, BN]. ``swap_ab``:
+    the accumulator is the tile transposed, [BN, BM]. ``preload`` > 0: the scales of K steps ``[lo, lo +
+    preload)`` are loaded before the K loop (see `GemmConfig.preload_scales`). ``prefetch``: each step loads the
+    next step's scales (`GemmConfig.prefetch_scales`)."""
     block_m, block_n = o_ref.shape[-2:]
-    kb = as_ref.shape[0]
+    kb = pl.cdiv(k, BK)
     i, j = pl.program_id(0), pl.program_id(1)
     lo, hi = 0, kb
     if blocks_per_split:
@@ -135,11 +188,37 @@ def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
     mask_m, mask_n, mask_k = m % block_m != 0, n % block_n != 0, k % BK != 0
     row_ok = i * block_m + jnp.arange(block_m, dtype=jnp.int32) < m
     col_ok = j * block_n + jnp.arange(block_n, dtype=jnp.int32) < n
+    sblock = (j * block_n) // BK  # swap_ab: the tile's 128-row scale block of B
 
     def load(ref, mask):
         return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
 
-    def body(t, acc):
+    if preload:  # the scales of the program's K steps, loaded once (zeros past kb)
+        ksel = lo + jnp.arange(preload, dtype=jnp.int32)
+        steps = pl.ds(lo, preload)
+        sa_all = load(as_ref.at[steps, :], jnp.broadcast_to(row_ok[None, :], (preload, block_m)) if mask_m else None)
+        if swap_ab:
+            sb_all = plgpu.load(bs_ref.at[sblock, steps])  # [P]
+        else:
+            sb_all = load(bs_ref.at[steps, :], jnp.broadcast_to(col_ok[None, :], (preload, block_n)) if mask_n
+                          else None)  # [P, BN]
+
+    def scales(t):
+        """(sa [block_m], sb: scalar (swap_ab) or [block_n]) of K step t. Preloaded: a one-hot sum over the
+        preloaded steps, exact (one term is nonzero)."""
+        if preload:
+            hot = ksel == t
+            sa = jnp.sum(jnp.where(hot[:, None], sa_all, 0.0), axis=0)
+            if swap_ab:
+                return sa, jnp.sum(jnp.where(hot, sb_all, 0.0))
+            return sa, jnp.sum(jnp.where(hot[:, None], sb_all, 0.0), axis=0)
+        sa = load(as_ref.at[t, :], row_ok if mask_m else None)
+        if swap_ab:
+            return sa, bs_ref[sblock, t]
+        return sa, load(bs_ref.at[t, :], col_ok if mask_n else None)
+
+    def product(t, ts=None):
+        """K step t's unscaled product ([BM, BN]; swap_ab: [BN, BM]) and the scales of step ``ts`` (default t)."""
         kk = pl.ds(pl.multiple_of(t * BK, BK), BK)
         k_ok = t * BK + jnp.arange(BK, dtype=jnp.int32) < k
         am = bm = None
@@ -151,12 +230,28 @@ def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
                 k_ok if mask_k else jnp.full((BK,), True))[None, :]
         a = load(a_ref.at[:, kk], am)
         b = load(b_ref.at[:, kk], bm)
-        sa = load(as_ref.at[t, :], row_ok if mask_m else None)
-        sb = load(bs_ref.at[t, :], col_ok if mask_n else None)
-        d = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc + (d * sa[:, None]) * sb[None, :]
+        sa, sb = scales(t if ts is None else ts)  # before the dot: per-step loads are in flight while it runs
+        lhs, rhs = (b, a) if swap_ab else (a, b)
+        d = jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return d, sa, sb
 
-    acc = jax.lax.fori_loop(lo, hi, body, jnp.zeros((block_m, block_n), jnp.float32))
+    def scaled(d, sa, sb):  # swap_ab: the same products, scaled in the same order
+        return (d * sa[None, :]) * sb if swap_ab else (d * sa[:, None]) * sb[None, :]
+
+    shape = (block_n, block_m) if swap_ab else (block_m, block_n)
+    zero = jnp.zeros(shape, jnp.float32)
+    if prefetch:  # step t loads step t + 1's scales (clamped at the last step: a harmless reload)
+
+        def body(t, carry):
+            acc, sa, sb = carry
+            d, sa_next, sb_next = product(t, jnp.minimum(t + 1, hi - 1))
+            return acc + scaled(d, sa, sb), sa_next, sb_next
+
+        acc, _, _ = jax.lax.fori_loop(lo, hi, body, (zero, *scales(jnp.asarray(lo, jnp.int32))))
+    else:
+        acc = jax.lax.fori_loop(lo, hi, lambda t, acc: acc + scaled(*product(t)), zero)
+    if swap_ab:
+        acc = acc.T
     out = acc.astype(o_ref.dtype)
     ok = row_ok[:, None] & col_ok[None, :]
     if blocks_per_split:  # the partial's block [1, BM, BN]
@@ -173,12 +268,21 @@ def _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config: GemmConfig, interpr
     n = b.shape[0]
     kb = pl.cdiv(k, BK)
     bm, bn = config.block_m, config.block_n
-    as_t = a_scale.T  # [kb, M]
-    bs_t = jnp.repeat(b_scale_inv, BK, axis=0)[:n].T  # [kb, N], one scale per row of B
     splits = min(config.k_splits, kb)
     per = pl.cdiv(kb, splits)
     splits = pl.cdiv(kb, per)  # no empty split
-    kernel = functools.partial(_gemm_kernel, m=m, n=n, k=k, blocks_per_split=per if splits > 1 else 0)
+    preload = preload_steps(config, per)
+    kbp = (splits - 1) * per + preload if preload else kb  # scale rows: the last split's preload fits
+    as_t = jnp.pad(a_scale.T, ((0, kbp - kb), (0, 0)))  # [kbp, M]
+    if config.swap_ab:  # as is: one scale per (128-row block, K step)
+        bs = jnp.pad(b_scale_inv, ((0, 0), (0, kbp - kb)))  # [ceil(N/128), kbp]
+        bs_spec = pl.BlockSpec(bs.shape, lambda i, j, *s: (0, 0))
+    else:
+        bs = jnp.pad(jnp.repeat(b_scale_inv, BK, axis=0)[:n].T, ((0, kbp - kb), (0, 0)))  # [kbp, N], one per row of B
+        bs_spec = pl.BlockSpec((kbp, bn), lambda i, j, *s: (0, j))
+    kernel = functools.partial(_gemm_kernel, m=m, n=n, k=k, blocks_per_split=per if splits > 1 else 0,
+                               swap_ab=config.swap_ab, preload=preload,
+                               prefetch=config.prefetch_scales and not preload)
     if splits > 1:
         grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), splits)
         out_spec = pl.BlockSpec((1, bm, bn), lambda i, j, s: (s, i, j))
@@ -192,21 +296,19 @@ def _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config: GemmConfig, interpr
         grid=grid,
         in_specs=[
             pl.BlockSpec((bm, kb * BK), lambda i, j, *s: (i, 0)),
-            pl.BlockSpec((kb, bm), lambda i, j, *s: (0, i)),
+            pl.BlockSpec((kbp, bm), lambda i, j, *s: (0, i)),
             pl.BlockSpec((bn, kb * BK), lambda i, j, *s: (j, 0)),
-            pl.BlockSpec((kb, bn), lambda i, j, *s: (0, j)),
+            bs_spec,
         ],
         out_specs=out_spec,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="fp8_block_gemm",
-    )(a, as_t, b, bs_t)
+    )(a, as_t, b, bs)
     if splits > 1:  # the partials in split order, one rounding
         out = out.sum(0).astype(out_dtype)
     return out
-
-
 
 
 def _check_operands(a, a_scale, b, b_scale_inv, out_dtype) -> jnp.dtype:

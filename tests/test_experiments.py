@@ -215,6 +215,7 @@ def test_bench_decode_gemms_tiny(tmp_path):
     # --triton: the split-K Triton kernel's decode configs (interpret mode here) against the same reference
     triton = [r for r in rows if r["variant"].startswith("fp8_triton_")]
     assert len(triton) == 4 * len(bench.triton_gemm.DECODE_CONFIGS)
+    assert len({r["variant"] for r in triton}) == len(bench.triton_gemm.DECODE_CONFIGS)  # one name per config
     for r in rows:
         assert r["max_rel_err"] <= (2e-2 if r["variant"].startswith("bf16") else 6e-2), r
         assert np.isnan(r["gpu_ms"])

@@ -144,6 +144,17 @@ GEMM_CASES = [
     (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, k_splits=2)),
     (32, 256, 1024, fg.GemmConfig(16, 128, 4, 2, k_splits=4)),
     (16, 64, 256, fg.GemmConfig(16, 64, 4, 2, k_splits=8)),
+    # swap_ab (the tile transposed, one weight scale per K step) and preloaded scales (steps padded to a power of
+    # two: 3 of 4 preloaded in a split of 5 blocks as 3 + 2, whose scale rows end at 7), masked and aligned
+    (5, 300, 200, fg.GemmConfig(16, 32, 4, 2, swap_ab=True)),
+    (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, k_splits=2, swap_ab=True, preload_scales=True)),
+    (32, 256, 1024, fg.GemmConfig(16, 128, 4, 2, k_splits=4, swap_ab=True, preload_scales=True)),
+    (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, k_splits=2, preload_scales=True)),
+    (16, 64, 384, fg.GemmConfig(16, 64, 4, 2, preload_scales=True)),
+    # prefetched scales (each step loads the next's; the last reloads its own), with and without splits and swap_ab
+    (5, 300, 200, fg.GemmConfig(16, 32, 4, 2, prefetch_scales=True)),
+    (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, k_splits=2, swap_ab=True, prefetch_scales=True)),
+    (32, 256, 1024, fg.GemmConfig(16, 128, 4, 2, k_splits=3, prefetch_scales=True)),
 ]
 
 
@@ -211,6 +222,18 @@ class TestGemmGpu(TestGemmInterpret):
             assert err <= self.TOL[jnp.dtype(jnp.float32)], f"{cfg}: rel err {err:.2e}"
 
 
+    @pytest.mark.parametrize("m", [64, 128, 256])
+    def test_decode_configs(self, m):
+        # the generator's decode sizes, every split-K / swap_ab / preload / prefetch config
+        n, k = 1024, 4096
+        _, _, qa, sa, qw = _gemm_operands(m, n, k, seed=m + 7)
+        want = fg.fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32)
+        for cfg in fg.DECODE_CONFIGS:
+            got = fg.fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32, config=cfg, interpret=False)
+            err = _rel_err(got, want)
+            assert err <= self.TOL[jnp.dtype(jnp.float32)], f"{cfg}: rel err {err:.2e}"
+
+
 class TestGemmReference:
     @pytest.mark.parametrize("m,n,k", [(5, 300, 200), (64, 256, 512), (3, 17, 1000)])
     def test_reference_vs_float64(self, m, n, k):
@@ -252,6 +275,18 @@ class TestGemmReference:
             fg.fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.int32)
         with pytest.raises(ValueError, match="multiple of 16"):
             fg.GemmConfig(block_m=8)
+        with pytest.raises(ValueError, match="swap_ab needs block_n dividing 128"):
+            fg.GemmConfig(block_n=256, swap_ab=True)
+        with pytest.raises(ValueError, match="preload_scales must be a bool"):
+            fg.GemmConfig(preload_scales=1)
+
+    def test_preload_steps(self):
+        # a power of two >= the steps, while the scales fit the register budget; else 0 (per-step loads)
+        cfg = fg.GemmConfig(128, 64, 4, 4, k_splits=2, swap_ab=True, preload_scales=True)
+        assert [fg.preload_steps(cfg, s) for s in (1, 3, 16, 24, 48)] == [1, 4, 16, 32, 0]
+        assert fg.preload_steps(dataclasses.replace(cfg, preload_scales=False), 16) == 0
+        wide = dataclasses.replace(cfg, swap_ab=False)  # [P, 128] + [P, 64] scales over 128 threads
+        assert [fg.preload_steps(wide, s) for s in (32, 64)] == [32, 0]
 
     def test_main_without_gpu(self, capsys):
         if jax.default_backend() == "gpu":
