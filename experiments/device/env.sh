@@ -23,3 +23,11 @@ two_gpus_or() {
 }
 # Seconds left until second $1 of the call, at least 5 (a negative count is no `timeout` argument: session 11).
 left() { local t=$(($1 - SECONDS)); [ "$t" -lt 5 ] && t=5; echo "$t"; }
+# Session 27 on: vLLM 0.26 from the carried bundle (carry [".vllm-h200"]) running .vllm-h200/bench.py until second
+# $1 of the call, with the rest of the arguments, e.g. vllm_bench 590 --configs bf16 --num-prompts 128 ...
+vllm_bench() {
+  local until=$1; shift
+  bash .vllm-h200/install.sh >/dev/null && export PYTHONPATH=/tmp/vllm_site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
+  echo "== vLLM $*"; timeout $(left "$until") python3 .vllm-h200/bench.py "$@" --deadline-s $(left $((until - 5)))
+  echo "rc=$?"
+}

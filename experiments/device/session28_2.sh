@@ -9,9 +9,6 @@ source experiments/device/env.sh
     --max-slots 256 --steps-per-call 16 --prefill-batch 4 --workload W1 --stall-dump-s 90 \
     --kv-gib-like-vllm 101.74 107.52 --modes none --swap-space-gib 24 --out "$OUT/rollout_8b_W1_none_swap24.json"
   echo "rc=$?"
-  bash .vllm-h200/install.sh >/dev/null && export PYTHONPATH=/tmp/vllm_site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
-  echo "== vLLM W1 bf16"; timeout $(left 590) python3 .vllm-h200/bench.py --configs bf16 \
-    --num-prompts 256 --prompt-len 1024 --max-tokens 2048 --deadline-s $(left 585)
-  echo "rc=$?"
+  vllm_bench 590 --configs bf16 --num-prompts 256 --prompt-len 1024 --max-tokens 2048
 } 2>&1 | filt "Capturing CUDA graphs" > "$OUT/run.log"
 grep -v "^  \|^$" "$OUT/run.log" | grep -v '"partial"\|^\[[a-z0-9]*\]  ' | cut -c1-300 | tail -30
