@@ -10,7 +10,9 @@ preset's fused q/k/v and gate/up, o_proj, down_proj, lm_head) and per M:
   quantization included;
 - with ``--triton``, kernel against kernel on the same quantized operands: ``fp8_cublaslt`` (cuBLASLt's block-scaled
   GEMM) and ``fp8_triton_<config>`` for each of `pallas_kernels.fp8_gemm.DECODE_CONFIGS` (our Triton kernel with
-  split-K, its partials' sum included).
+  split-K, its partials' sum included); ``--triton-table-out PATH`` then writes (merges into) the measured Triton
+  table that `fp8rl_jax.quant.policy.triton_config` and ``GemmBackend.AUTO`` read (`TRITON_GEMM_TABLE`): per
+  (M bucket, N, K) the fastest config and whether it beat cuBLASLt by ``--triton-margin``.
 
 (Session 20 also timed an FP8 split-K made of cuBLASLt calls over K slices: slicing the operands copied them,
 100+ us a call, so it measured the copies; it is gone.)
@@ -29,6 +31,8 @@ no shape at M = 256; FP8 o_proj and qkv take ~15 us in cuBLASLt's kernel whateve
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -43,7 +47,32 @@ from fp8rl_jax.models.policy import DensePolicy  # noqa: E402
 from fp8rl_jax.quant.fp8 import codes_to_float32, quantize_activations  # noqa: E402
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_weight  # noqa: E402
 from pallas_kernels import fp8_gemm as triton_gemm  # noqa: E402
-from pallas_kernels.common import replay_gpu_ms, write_results  # noqa: E402
+from pallas_kernels.common import device_kind, m_bucket, merged_tuning, replay_gpu_ms, write_results  # noqa: E402
+from pallas_kernels.common import write_tuning  # noqa: E402
+
+
+def triton_table_entries(rows: list[dict], kind: str, margin: float) -> list[dict]:
+    """Per (M bucket, N, K) of ``rows`` with timed Triton and cuBLASLt variants: the fastest Triton config, both GPU
+    times (us), and ``backend`` "triton" where it took at most ``1 - margin`` of cuBLASLt's time, else "cublaslt"."""
+    by_shape: dict[tuple[int, int, int], dict] = {}
+    for r in rows:
+        if "gpu_ms" not in r or not math.isfinite(r["gpu_ms"]):
+            continue
+        key = (m_bucket(r["m"]), r["n"], r["k"])
+        slot = by_shape.setdefault(key, {"triton": None, "cublaslt": None})
+        if r["variant"] == "fp8_cublaslt":
+            slot["cublaslt"] = r["gpu_ms"]
+        elif r["variant"].startswith("fp8_triton_") and (slot["triton"] is None or r["gpu_ms"] < slot["triton"][0]):
+            slot["triton"] = (r["gpu_ms"], r["config"])
+    entries = []
+    for (mb, n, k), slot in sorted(by_shape.items()):
+        if slot["triton"] is None or slot["cublaslt"] is None:
+            continue
+        ms, config = slot["triton"]
+        entries.append({"device_kind": kind, "m_bucket": mb, "n": n, "k": k, "config": config,
+                        "us": {"triton": round(ms * 1e3, 2), "cublaslt": round(slot["cublaslt"] * 1e3, 2)},
+                        "backend": "triton" if ms <= (1 - margin) * slot["cublaslt"] else "cublaslt"})
+    return entries
 
 
 def decode_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -85,8 +114,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--triton", action="store_true",
                    help="also time cuBLASLt and our split-K Triton kernel on pre-quantized operands")
+    p.add_argument("--triton-table-out", type=Path, default=None,
+                   help="with --triton: merge the per-shape winners into this table (the policy reads "
+                        "fp8rl_jax/quant/fp8_gemm_triton.json)")
+    p.add_argument("--triton-margin", type=float, default=0.03,
+                   help="Triton wins a shape where it takes at most (1 - margin) of cuBLASLt's GPU time")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.triton_table_out is not None and not args.triton:
+        p.error("--triton-table-out needs --triton")
 
     cfg = PRESETS[args.preset]
     shapes = {k: v for k, v in decode_shapes(cfg).items() if args.shapes is None or k in args.shapes}
@@ -103,6 +139,7 @@ def main(argv=None) -> list[dict]:
             ref = np.asarray(xs[0], np.float64) @ np.asarray(ws[0], np.float64).T
             ref8 = reference_fp8(np.asarray(xs[0], np.float32), qws[0]) if qws else None
             variants = {"bf16": (lambda x, w: dense.dot(x, w, None), ws, ref)}
+            configs = {}  # Triton variant -> its GemmConfig
             variants.update({f"bf16_splitk{s}": (lambda x, w, s=s: bf16_splitk(x, w, s), ws, ref)
                              for s in args.splits if k % s == 0})
             if qws:
@@ -120,6 +157,7 @@ def main(argv=None) -> list[dict]:
                              + "_prefetch" * cfg.prefetch_scales)
                     variants[name_] = (lambda x, op, cfg=cfg: triton_gemm.fp8_gemm(*op, config=cfg), ops,
                                        ref_q)
+                    configs[name_] = dataclasses.asdict(cfg)
             flop = 2.0 * m * n * k
             for vname, (fn, wset, r) in variants.items():
                 try:
@@ -132,13 +170,23 @@ def main(argv=None) -> list[dict]:
                 err = float(np.max(np.abs(np.asarray(outs[0], np.float64) - r)) / np.max(np.abs(r)))
                 wbytes = n * k * (1 if vname.startswith("fp8") else 2)
                 row = {"shape": name, "m": m, "n": n, "k": k, "variant": vname, "gpu_ms": ms,
-                       "span_ms": res["span_ms"], "tflops": flop / ms / 1e9, "weight_gbps": wbytes / ms / 1e6, "max_rel_err": err, "kernels": res["kernels"]}
+                       "span_ms": res["span_ms"], "tflops": flop / ms / 1e9, "weight_gbps": wbytes / ms / 1e6,
+                       "max_rel_err": err, "kernels": res["kernels"]}
+                if vname in configs:
+                    row["config"] = configs[vname]
                 rows.append(row)
                 print(f"{name:9s} M={m:4d} {vname:12s} {ms * 1e3:8.1f} us {row['tflops']:7.1f} TFLOP/s "
                       f"{row['weight_gbps']:7.0f} GB/s err {err:.1e}  {list(res['kernels'])[:2]}", flush=True)
     if args.out is not None:
         write_results(args.out, rows)
         print(f"wrote {args.out}")
+    if args.triton_table_out is not None:
+        entries = triton_table_entries(rows, device_kind(), args.triton_margin)
+        for e in entries:
+            print(f"M<={e['m_bucket']:4d} N={e['n']:5d} K={e['k']:5d}: {e['backend']:8s} triton {e['us']['triton']} us "
+                  f"cuBLASLt {e['us']['cublaslt']} us  {e['config']}", flush=True)
+        if entries:  # (off the GPU nothing is timed: nothing to write)
+            write_tuning(args.triton_table_out, merged_tuning(args.triton_table_out, entries))
     return rows
 
 

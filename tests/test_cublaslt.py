@@ -390,6 +390,58 @@ def test_triton_backend_runs_the_split_k_kernel(monkeypatch):
     assert P.triton_config(4096) == P.gemm_kernel.DEFAULT_CONFIG
 
 
+def test_measured_triton_table_chooses_shapes_and_configs(monkeypatch, tmp_path):
+    """``bench_decode_gemms.py --triton-table-out`` keeps per (M bucket, N, K) the fastest Triton config and whether
+    it beat cuBLASLt by the margin; the policy reads that file: ``GemmBackend.AUTO`` runs the winning shapes on
+    Triton (``FP8RL_FP8_GEMM`` and explicit backends still win) and `triton_config` returns the measured config;
+    other device kinds and unmeasured shapes keep the defaults."""
+    import json
+    import sys
+
+    import fp8rl_jax.quant.policy as P
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import bench_decode_gemms as bench
+
+    fast, slow = P.gemm_kernel.DECODE_CONFIGS[-1], P.gemm_kernel.DECODE_CONFIGS[-2]
+    cfg = dataclasses.asdict
+
+    def row(m, n, variant, ms, config=None):
+        r = {"shape": "x", "m": m, "n": n, "k": 4096, "variant": variant, "gpu_ms": ms}
+        return r if config is None else {**r, "config": cfg(config)}
+
+    rows = [row(128, 6144, "fp8_cublaslt", 0.0160), row(128, 6144, "fp8_triton_a", 0.0120, fast),
+            row(128, 6144, "fp8_triton_b", 0.0130, slow), row(128, 6144, "bf16", 0.001),
+            row(128, 4096, "fp8_cublaslt", 0.0150), row(128, 4096, "fp8_triton_a", 0.0148, fast),  # within 3%
+            row(256, 4096, "fp8_triton_a", float("nan"), fast)]  # untimed (off the GPU): no entry
+    entries = bench.triton_table_entries(rows, "NVIDIA H200", margin=0.03)
+    assert [(e["m_bucket"], e["n"], e["backend"], e["us"]["triton"]) for e in entries] == [
+        (128, 4096, "cublaslt", 14.8), (128, 6144, "triton", 12.0)]
+    table = tmp_path / "fp8_gemm_triton.json"
+    table.write_text(json.dumps({"entries": entries}))
+    monkeypatch.setattr(P, "TRITON_GEMM_TABLE", table)
+    monkeypatch.setattr(P, "device_kind", lambda: "NVIDIA H200")
+    monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
+    P._measured_triton.cache_clear()
+    try:
+        assert P.GemmBackend.AUTO.resolve(100, 6144, 4096) is P.GemmBackend.TRITON  # M bucket 128
+        assert P.triton_config(100, 6144, 4096) == fast
+        assert P.GemmBackend.AUTO.resolve(100, 4096, 4096) is not P.GemmBackend.TRITON  # cuBLASLt kept it
+        assert P.triton_config(100, 4096, 4096) == fast  # the measured config, should Triton be asked for
+        assert P.GemmBackend.AUTO.resolve(200, 6144, 4096) is not P.GemmBackend.TRITON  # another M bucket
+        assert P.triton_config(200, 6144, 4096) == P.triton_config(200)
+        assert P.GemmBackend.CUBLASLT.resolve(100, 6144, 4096) is P.GemmBackend.CUBLASLT
+        monkeypatch.setenv("FP8RL_FP8_GEMM", "cublaslt")
+        assert P.GemmBackend.AUTO.resolve(100, 6144, 4096) is P.GemmBackend.CUBLASLT
+        monkeypatch.delenv("FP8RL_FP8_GEMM")
+        monkeypatch.setattr(P, "device_kind", lambda: "NVIDIA H100")  # measured elsewhere: not used
+        P._measured_triton.cache_clear()
+        assert P.GemmBackend.AUTO.resolve(100, 6144, 4096) is not P.GemmBackend.TRITON
+        assert P.triton_config(100, 6144, 4096) == P.triton_config(100)
+    finally:
+        P._measured_triton.cache_clear()
+
+
 def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):
     """With gemm=cublaslt on a (stand-in) GPU the dense FP8 matmul calls cuBLASLt with the quantized
     activations and the weight as stored; a shape it does not take goes to the Pallas kernels."""

@@ -214,10 +214,15 @@ def test_bench_decode_gemms_tiny(tmp_path):
         assert ((shape, "fp8") in names) is (shape != "lm_head")
     # --triton: the split-K Triton kernel's decode configs (interpret mode here, one shape: each config runs
     # ~1 s) against the same reference
+    table = tmp_path / "triton.json"
     more = bench.main(["--preset", "tiny_qwen3", "--m", "8", "--splits", "2", "--sets", "2", "--triton",
-                       "--shapes", "o_proj"])
+                       "--shapes", "o_proj", "--triton-table-out", str(table)])
     triton = [r for r in more if r["variant"].startswith("fp8_triton_")]
     assert len(triton) == len({r["variant"] for r in triton}) == len(bench.triton_gemm.DECODE_CONFIGS)
+    assert all(r["config"]["k_splits"] >= 1 for r in triton)
+    assert not table.exists()  # nothing timed off the GPU: no table (the policy test reads one)
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny_qwen3", "--triton-table-out", str(table)])  # needs --triton
     rows += more
     for r in rows:
         assert r["max_rel_err"] <= (2e-2 if r["variant"].startswith("bf16") else 6e-2), r

@@ -240,10 +240,11 @@ class GemmBackend(enum.Enum):
 
     def resolve(self, m: int | None = None, n: int | None = None, k: int | None = None) -> GemmBackend:
         """The backend for an ``[M, K] x [N, K]^T`` GEMM: this one unless AUTO; for AUTO the
-        ``FP8RL_FP8_GEMM`` variable, else the faster of the two as measured on this device kind at this
-        (M bucket, N, K) (`GEMM_BACKEND_TABLE`, written by ``experiments/bench_gemm.py
-        --backend-table-out``), else the table's default for the device kind (chosen from end-to-end
-        rollouts, with the measurement named in the table), else MOSAIC."""
+        ``FP8RL_FP8_GEMM`` variable, else TRITON where its measured table (`TRITON_GEMM_TABLE`) found it faster
+        than cuBLASLt on this device kind at this (M bucket, N, K), else the faster of Mosaic and cuBLASLt as
+        measured there (`GEMM_BACKEND_TABLE`, written by ``experiments/bench_gemm.py --backend-table-out``),
+        else the table's default for the device kind (chosen from end-to-end rollouts, with the measurement
+        named in the table), else MOSAIC."""
         if self is not GemmBackend.AUTO:
             return self
         env = os.environ.get("FP8RL_FP8_GEMM", "").strip().lower()
@@ -253,6 +254,9 @@ class GemmBackend(enum.Enum):
             except ValueError:
                 raise ValueError(f"FP8RL_FP8_GEMM must be one of auto, mosaic, cublaslt, triton; got {env!r}") from None
         if m is not None and n is not None and k is not None:
+            tuned = _measured_triton(device_kind()).get((m_bucket(m), n, k))
+            if tuned is not None and tuned[1]:
+                return GemmBackend.TRITON
             chosen = _measured_backends(device_kind()).get((m_bucket(m), n, k))
             if chosen is not None:
                 return chosen
@@ -269,12 +273,30 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def triton_config(m: int) -> gemm_kernel.GemmConfig:
-    """The Triton GEMM's tiling for ``GemmBackend.TRITON`` at M rows: one of `pallas_kernels.fp8_gemm.DECODE_CONFIGS`
-    (64-wide N tiles, M in one or two tiles, K split so the programs fill the SMs: Qwen3-8B's o_proj at 128 rows runs
-    64 x 4 programs) up to 256 rows, else its default tiling. ``experiments/bench_decode_gemms.py --triton`` times them
-    (H200 session 27: the best per shape and M was 64 x 64 with 2 splits or 128 x 64 with 2-4, none faster than
-    cuBLASLt)."""
+# Measured per device kind (``experiments/bench_decode_gemms.py --triton --triton-table-out``): per (M bucket, N, K)
+# the fastest Triton config of `pallas_kernels.fp8_gemm.DECODE_CONFIGS`, its GPU time and cuBLASLt's, and the backend
+# that won ("triton" where it beat cuBLASLt by the bench's margin: `GemmBackend.AUTO` then runs the shape on it).
+TRITON_GEMM_TABLE = Path(__file__).with_name("fp8_gemm_triton.json")
+
+
+@functools.cache
+def _measured_triton(kind: str) -> dict[tuple[int, int, int], tuple[gemm_kernel.GemmConfig, bool]]:
+    return {(int(e["m_bucket"]), int(e["n"]), int(e["k"])): (gemm_kernel.GemmConfig(**e["config"]),
+                                                             e["backend"] == GemmBackend.TRITON.value)
+            for e in tuning_entries(TRITON_GEMM_TABLE, kind)}
+
+
+def triton_config(m: int, n: int | None = None, k: int | None = None) -> gemm_kernel.GemmConfig:
+    """The Triton GEMM's tiling for ``GemmBackend.TRITON`` at an ``[M, K] x [N, K]^T`` GEMM: the measured table's
+    (`TRITON_GEMM_TABLE`) for this device kind and (M bucket, N, K) where it has one, else one of
+    `pallas_kernels.fp8_gemm.DECODE_CONFIGS` by M (64-wide N tiles, M in one or two tiles, K split so the programs
+    fill the SMs: Qwen3-8B's o_proj at 128 rows runs 64 x 4 programs) up to 256 rows, else its default tiling
+    (H200 session 27, per-step scale loads: the best per shape and M was 64 x 64 with 2 splits or 128 x 64 with
+    2-4, none faster than cuBLASLt)."""
+    if n is not None and k is not None:
+        tuned = _measured_triton(device_kind()).get((m_bucket(m), n, k))
+        if tuned is not None:
+            return tuned[0]
     if m <= 64:
         return gemm_kernel.GemmConfig(64, 64, 4, 4, k_splits=2)
     if m <= 128:
@@ -423,7 +445,8 @@ class W8A8Policy(MatmulPolicy):
                                                 algo=cublaslt_algo(xq.shape[0], *q.shape))
         m, (n, k) = xq.shape[0], q.shape
         if self.gemm.resolve(m, n, k) is GemmBackend.TRITON:
-            return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, config=triton_config(m), interpret=interpret)
+            return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, config=triton_config(m, n, k),
+                                        interpret=interpret)
         if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
             return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
         return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K

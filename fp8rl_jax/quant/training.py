@@ -219,7 +219,8 @@ def _block_gemm(aq: jax.Array, a_s: jax.Array, bq: jax.Array, b_s: jax.Array, dt
     if not _interpret() and use_cublaslt(gemm, m, n, k, dt):
         return cublaslt.fp8_gemm_cublaslt(aq, a_s, bq, b_s, out_dtype=dt)
     if gemm.resolve(m, n, k) is GemmBackend.TRITON:
-        return gemm_kernel.fp8_gemm(aq, a_s, bq, b_s, out_dtype=dt, config=triton_config(m), interpret=_interpret())
+        return gemm_kernel.fp8_gemm(aq, a_s, bq, b_s, out_dtype=dt, config=triton_config(m, n, k),
+                                     interpret=_interpret())
     if mgpu_kernel.supports(m, n, k):
         return mgpu_kernel.fp8_gemm_mgpu(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
     return gemm_kernel.fp8_gemm(aq, a_s, bq, b_s, out_dtype=dt, interpret=_interpret())
