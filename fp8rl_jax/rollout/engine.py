@@ -180,7 +180,7 @@ class EngineConfig:
         either way (tokens and logprobs: decode continues from the same KV). On a GPU the space is pinned once,
         at the first ``warmup`` or ``generate`` (`JaxEngine.reserve_swap_space`), as vLLM allocates its swap
         space at start: XLA's pinned-host allocator grows by doubling regions, and pinning each new one inside
-        a run stalled it (H200 session 27: 0.4 -> 3.9 s per growth, ~16 s of a 174 s W2 run).
+        a run stalled it (H200 session 27: 0.4 -> 8 s per growth, ~16 s of a 174 s W2 run).
       sampling_draw: how sampled rows draw their token (`fp8rl_jax.rollout.sampling.Draw`): the inverse
         CDF (default: one uniform per row) or Gumbel-max (V threefry numbers per row): the same
         distribution, other tokens for a seed. H200, Qwen3-8B kv decode at 256 rows (session 19, one
