@@ -7,7 +7,7 @@
 # Triton won a shape, then session28_3.sh.
 source experiments/device/env.sh
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit --format=csv
-  echo "== Triton GEMM GPU tests"; timeout $(left 200) python -m pytest -q -x -m gpu tests/test_pallas_kernels.py \
+  echo "== Triton GEMM GPU tests"; timeout $(left 240) python -m pytest -q -x -m gpu tests/test_pallas_kernels.py \
     -k "Gemm and not Grouped" -p no:cacheprovider 2>&1 | tail -4
   echo "== decode GEMMs"; timeout $(left 590) python experiments/bench_decode_gemms.py --preset qwen3_8b \
     --m 64 128 256 --shapes qkv o_proj gate_up down_proj --splits 2 --triton --out "$OUT/decode_gemms.json" \
