@@ -177,17 +177,25 @@ def main(argv=None) -> list[dict]:
                 rows.append(row)
                 print(f"{name:9s} M={m:4d} {vname:12s} {ms * 1e3:8.1f} us {row['tflops']:7.1f} TFLOP/s "
                       f"{row['weight_gbps']:7.0f} GB/s err {err:.1e}  {list(res['kernels'])[:2]}", flush=True)
+        save(rows, args)  # after every shape: a run cut short keeps what it measured
+    save(rows, args, final=True)
+    return rows
+
+
+def save(rows: list[dict], args, final: bool = False) -> None:
+    """Writes ``--out`` and merges the Triton winners so far into ``--triton-table-out`` (printing them at the
+    end); off the GPU nothing is timed, so no table is written."""
     if args.out is not None:
         write_results(args.out, rows)
-        print(f"wrote {args.out}")
+        if final:
+            print(f"wrote {args.out}")
     if args.triton_table_out is not None:
         entries = triton_table_entries(rows, device_kind(), args.triton_margin)
-        for e in entries:
+        for e in entries if final else []:
             print(f"M<={e['m_bucket']:4d} N={e['n']:5d} K={e['k']:5d}: {e['backend']:8s} triton {e['us']['triton']} us "
                   f"cuBLASLt {e['us']['cublaslt']} us  {e['config']}", flush=True)
-        if entries:  # (off the GPU nothing is timed: nothing to write)
+        if entries:
             write_tuning(args.triton_table_out, merged_tuning(args.triton_table_out, entries))
-    return rows
 
 
 if __name__ == "__main__":
