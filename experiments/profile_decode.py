@@ -220,7 +220,6 @@ def run_prefill(args, params, mode: Fp8Mode) -> dict:
     t0 = time.perf_counter()
     call()
     compile_s = time.perf_counter() - t0
-    programs = engine_mod.decode_program()._cache_size()
     times = []
     with GpuMonitor(interval_ms=100) as gpu:
         for _ in range(args.repeats):

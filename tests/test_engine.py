@@ -503,8 +503,8 @@ def test_decode_program_keeps_xla_split_k_out():
 def test_swap_space_is_pinned_once_with_a_clear_error(monkeypatch):
     """`JaxEngine.reserve_swap_space` pins ``swap_space_gib`` of host memory in blocks once per engine (XLA's
     pinned-host allocator grows by doubling regions, and growing it inside a run stalled the H200's W2 run); the
-    second call and engines without swap space pin nothing; a host that cannot pin it gets an error naming the
-    setting, and the engine stays usable."""
+    second call and engines without swap space pin nothing (a sleeping engine pins too: the space is host
+    memory); a host that cannot pin it gets an error naming the setting, and the engine stays usable."""
     from fp8rl_jax.rollout import engine as E
     cfg = tiny_qwen3
     params = init_params(cfg, jax.random.key(0), jnp.float32)
@@ -516,7 +516,7 @@ def test_swap_space_is_pinned_once_with_a_clear_error(monkeypatch):
         return real(x)
 
     monkeypatch.setattr(E, "_to_host", counting)
-    eng = JaxEngine(cfg, params, dataclasses.replace(F32, swap_space_gib=0.75))
+    eng = JaxEngine(cfg, params, dataclasses.replace(F32, swap_space_gib=0.75), asleep=True)  # no KV pool yet
     assert eng.swap_reserve_s is None
     assert eng.reserve_swap_space() >= 0 and eng.swap_reserve_s is not None
     assert len(pinned) == 3 and sum(pinned) == 0.75 * 2**30  # three 256 MiB blocks

@@ -802,8 +802,8 @@ class JaxEngine:
             return 0.0
         t0 = time.perf_counter()
         gib = self.config.swap_space_gib
-        devices = sorted(self.cache.k_pages[0].sharding.device_set, key=lambda d: d.id) if self.cache else []
-        if gib > 0 and devices and all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices):
+        devices = list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]  # the pools' devices
+        if gib > 0 and _pinned_host(devices):
             per_device = math.ceil(gib * 2**30 / len(devices))
             blk = min(SWAP_RESERVE_BLOCK, per_device)
             held = []
@@ -1233,14 +1233,15 @@ def _scatter_pages(cache, ids, k, v):
                          v_pages=tuple(vp.at[ids].set(v[i], mode="drop") for i, vp in enumerate(cache.v_pages)))
 
 
-def _pinned_host(x: jax.Array) -> bool:
-    return all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in x.sharding.device_set)
+def _pinned_host(devices) -> bool:
+    """Whether every device of ``devices`` has pinned host memory (the swap copies' destination)."""
+    return all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices)
 
 
 def _to_host(x: jax.Array) -> Any:
     """``x`` copied to host memory: a pinned-host jax.Array where the backend has that memory (the copy runs
     asynchronously, after the program that makes ``x``), else a NumPy array."""
-    if _pinned_host(x):
+    if _pinned_host(x.sharding.device_set):
         return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
     return np.asarray(x)
 
