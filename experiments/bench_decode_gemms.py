@@ -114,6 +114,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--triton", action="store_true",
                    help="also time cuBLASLt and our split-K Triton kernel on pre-quantized operands")
+    p.add_argument("--triton-configs", nargs="+", default=None, metavar="SPEC",
+                   help="with --triton: these Triton configs (block_m,block_n,warps,stages,k_splits[,swap][,preload]"
+                        "[,prefetch]) instead of pallas_kernels.fp8_gemm.DECODE_CONFIGS")
     p.add_argument("--triton-table-out", type=Path, default=None,
                    help="with --triton: merge the per-shape winners into this table (the policy reads "
                         "fp8rl_jax/quant/fp8_gemm_triton.json)")
@@ -123,6 +126,13 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     if args.triton_table_out is not None and not args.triton:
         p.error("--triton-table-out needs --triton")
+    if args.triton_configs is not None and not args.triton:
+        p.error("--triton-configs needs --triton")
+    try:
+        triton_configs = ([triton_gemm.GemmConfig.from_spec(s) for s in args.triton_configs]
+                          if args.triton_configs else list(triton_gemm.DECODE_CONFIGS))
+    except ValueError as e:
+        p.error(str(e))
 
     cfg = PRESETS[args.preset]
     shapes = {k: v for k, v in decode_shapes(cfg).items() if args.shapes is None or k in args.shapes}
@@ -151,7 +161,7 @@ def main(argv=None) -> list[dict]:
                 if jax.default_backend() == "gpu":
                     from fp8rl_jax.quant import cublaslt
                     variants["fp8_cublaslt"] = (lambda x, op: cublaslt.fp8_gemm_cublaslt(*op), ops, ref_q)
-                for cfg in triton_gemm.DECODE_CONFIGS:
+                for cfg in triton_configs:
                     name_ = (f"fp8_triton_{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}k{cfg.k_splits}"
                              + "_swap" * cfg.swap_ab + "_preload" * cfg.preload_scales
                              + "_prefetch" * cfg.prefetch_scales)

@@ -117,10 +117,9 @@ def dump_gemm(captured: list[str], out: Path, configs: list[str], m: int, n: int
             S((-(-n // 128), kb), jnp.float32))
     jobs = []
     for spec in configs:
-        f = spec.split(",")
-        bm, bn, w, st, ks = (int(x) for x in f[:5])
-        swap, preload, prefetch = "swap" in f[5:], "preload" in f[5:], "prefetch" in f[5:]
-        cfg = fg.GemmConfig(bm, bn, w, st, k_splits=ks, swap_ab=swap, preload_scales=preload, prefetch_scales=prefetch)
+        cfg = fg.GemmConfig.from_spec(spec)
+        bm, bn, w, st, ks = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.k_splits
+        swap, preload, prefetch = cfg.swap_ab, cfg.preload_scales, cfg.prefetch_scales
         captured.clear()
         fg._fp8_gemm.trace(*args, jnp.dtype(jnp.bfloat16), cfg, False).lower(lowering_platforms=("cuda",))
         assert len(captured) == 1, len(captured)

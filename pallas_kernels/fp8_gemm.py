@@ -116,6 +116,24 @@ class GemmConfig:
         if self.swap_ab and BK % self.block_n:
             raise ValueError(f"GemmConfig.swap_ab needs block_n dividing {BK}, got {self.block_n}")
 
+    @classmethod
+    def from_spec(cls, spec: str) -> GemmConfig:
+        """``block_m,block_n,warps,stages,k_splits[,swap][,preload][,prefetch]``, e.g. ``64,64,4,4,2,swap,prefetch``
+        (the command lines' notation; `spec` writes it)."""
+        f = [x.strip() for x in spec.split(",")]
+        flags = {"swap": "swap_ab", "preload": "preload_scales", "prefetch": "prefetch_scales"}
+        if len(f) < 5 or not all(x.isdigit() for x in f[:5]) or any(x not in flags for x in f[5:]):
+            raise ValueError(f"a GemmConfig spec is block_m,block_n,warps,stages,k_splits[,swap][,preload][,prefetch]; "
+                             f"got {spec!r}")
+        bm, bn, w, st, ks = (int(x) for x in f[:5])
+        return cls(bm, bn, w, st, k_splits=ks, **{flags[x]: True for x in f[5:]})
+
+    def spec(self) -> str:
+        """The inverse of `from_spec`."""
+        return ",".join([str(v) for v in (self.block_m, self.block_n, self.num_warps, self.num_stages, self.k_splits)]
+                        + [n for n, on in (("swap", self.swap_ab), ("preload", self.preload_scales),
+                                           ("prefetch", self.prefetch_scales)) if on])
+
 
 DEFAULT_CONFIG = GemmConfig()
 SWEEP_CONFIGS = (
@@ -133,7 +151,10 @@ SWEEP_CONFIGS = (
 # scale loads, were the fastest of session 27's six on the H200 and still 1.02-2.86x cuBLASLt's GPU time; the rest
 # preload or prefetch their scales, and the swap_ab ones put the weight rows on the wgmma's M side (offline sm_90
 # codegen: every one runs wgmma with no spills and no global load left in its K loop but prefetch's next-step
-# scales; untimed on the GPU yet: `experiments/bench_decode_gemms.py --triton` times them beside cuBLASLt).
+# scales). H200, session 28 (`experiments/bench_decode_gemms.py --triton`, GPU time beside cuBLASLt on the same
+# operands): at 64 rows 64 x 64 swap_ab + prefetch beat cuBLASLt on Qwen3-8B's o_proj (K split 4: 12.0 against
+# 15.4 us), fused q/k/v (split 4: 14.7 against 16.0) and fused gate/up (no split: 31.0 against 34.8, 3.2 TB/s of
+# weight), the last two configs below; at 128 and 256 rows no config came within 3% of cuBLASLt but o_proj's.
 DECODE_CONFIGS = (
     GemmConfig(64, 64, 4, 4, k_splits=2),
     GemmConfig(128, 64, 4, 4, k_splits=2),
@@ -150,6 +171,8 @@ DECODE_CONFIGS = (
     GemmConfig(128, 64, 4, 4, k_splits=2, swap_ab=True, prefetch_scales=True),
     GemmConfig(128, 64, 4, 4, k_splits=4, swap_ab=True, prefetch_scales=True),
     GemmConfig(256, 64, 8, 4, k_splits=4, swap_ab=True, prefetch_scales=True),
+    GemmConfig(64, 64, 4, 4, k_splits=4, swap_ab=True, prefetch_scales=True),
+    GemmConfig(64, 64, 4, 4, k_splits=1, swap_ab=True, prefetch_scales=True),
 )
 
 # Preloaded scales stay in registers for the whole K loop: at most this many float32 per thread.

@@ -442,6 +442,36 @@ def test_measured_triton_table_chooses_shapes_and_configs(monkeypatch, tmp_path)
         P._measured_triton.cache_clear()
 
 
+def test_committed_triton_table_is_consistent(monkeypatch):
+    """The committed `TRITON_GEMM_TABLE` (H200, session 28): every entry's config is one of the decode configs (so
+    the interpret and lowering tests cover what AUTO runs), "triton" only where it beat cuBLASLt by the bench's 3%
+    margin, one entry per (device kind, M bucket, N, K); and on that device kind AUTO routes exactly those shapes
+    to Triton with the measured config."""
+    import json
+
+    import fp8rl_jax.quant.policy as P
+
+    entries = json.loads(P.TRITON_GEMM_TABLE.read_text())["entries"]
+    assert entries
+    keys = [(e["device_kind"], e["m_bucket"], e["n"], e["k"]) for e in entries]
+    assert len(keys) == len(set(keys))
+    monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
+    P._measured_triton.cache_clear()
+    try:
+        for e in entries:
+            cfg = P.gemm_kernel.GemmConfig(**e["config"])
+            assert cfg in P.gemm_kernel.DECODE_CONFIGS, cfg
+            assert e["backend"] in ("triton", "cublaslt")
+            assert (e["backend"] == "triton") == (e["us"]["triton"] <= 0.97 * e["us"]["cublaslt"]), e
+            monkeypatch.setattr(P, "device_kind", lambda kind=e["device_kind"]: kind)
+            m = e["m_bucket"] - 1
+            assert (P.GemmBackend.AUTO.resolve(m, e["n"], e["k"]) is P.GemmBackend.TRITON) == (e["backend"] == "triton")
+            assert P.triton_config(m, e["n"], e["k"]) == cfg
+        assert any(e["backend"] == "triton" for e in entries)
+    finally:
+        P._measured_triton.cache_clear()
+
+
 def test_policy_routes_supported_shapes_to_cublaslt(monkeypatch):
     """With gemm=cublaslt on a (stand-in) GPU the dense FP8 matmul calls cuBLASLt with the quantized
     activations and the weight as stored; a shape it does not take goes to the Pallas kernels."""

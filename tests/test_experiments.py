@@ -223,6 +223,15 @@ def test_bench_decode_gemms_tiny(tmp_path):
     assert not table.exists()  # nothing timed off the GPU: no table (the policy test reads one)
     with pytest.raises(SystemExit):
         bench.main(["--preset", "tiny_qwen3", "--triton-table-out", str(table)])  # needs --triton
+    # --triton-configs: these configs instead of DECODE_CONFIGS
+    chosen = bench.main(["--preset", "tiny_qwen3", "--m", "8", "--splits", "2", "--sets", "2", "--triton",
+                         "--shapes", "o_proj", "--triton-configs", "16,32,4,2,1,swap,prefetch"])
+    assert [r["variant"] for r in chosen if r["variant"].startswith("fp8_triton_")] == [
+        "fp8_triton_16x32w4s2k1_swap_prefetch"]
+    for bad in (["--triton-configs", "16,32,4,2,1"], ["--triton", "--triton-configs", "16,32,4"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--preset", "tiny_qwen3", *bad])
+    rows += [r for r in chosen if r["variant"].startswith("fp8_triton_")]
     rows += more
     for r in rows:
         assert r["max_rel_err"] <= (2e-2 if r["variant"].startswith("bf16") else 6e-2), r

@@ -154,6 +154,7 @@ GEMM_CASES = [
     # prefetched scales (each step loads the next's; the last reloads its own), with and without splits and swap_ab
     (5, 300, 200, fg.GemmConfig(16, 32, 4, 2, prefetch_scales=True)),
     (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, k_splits=2, swap_ab=True, prefetch_scales=True)),
+    (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, swap_ab=True, prefetch_scales=True)),
     (32, 256, 1024, fg.GemmConfig(16, 128, 4, 2, k_splits=3, prefetch_scales=True)),
 ]
 
@@ -287,6 +288,19 @@ class TestGemmReference:
         assert fg.preload_steps(dataclasses.replace(cfg, preload_scales=False), 16) == 0
         wide = dataclasses.replace(cfg, swap_ab=False)  # [P, 128] + [P, 64] scales over 128 threads
         assert [fg.preload_steps(wide, s) for s in (32, 64)] == [32, 0]
+
+    def test_config_specs(self):
+        # the command lines' notation (bench_decode_gemms --triton-configs, inspect_triton_codegen --gemm-configs)
+        assert fg.GemmConfig.from_spec("64,64,4,4,2,swap,prefetch") == fg.GemmConfig(
+            64, 64, 4, 4, k_splits=2, swap_ab=True, prefetch_scales=True)
+        assert fg.GemmConfig.from_spec(" 128, 64,8,3,1") == fg.GemmConfig(128, 64, 8, 3)
+        for cfg in (*fg.DECODE_CONFIGS, *fg.SWEEP_CONFIGS):
+            assert fg.GemmConfig.from_spec(cfg.spec()) == cfg
+        for bad in ("64,64,4,4", "64,64,4,4,2,swap,fast", "64,x,4,4,2", ""):
+            with pytest.raises(ValueError, match="spec is block_m,block_n"):
+                fg.GemmConfig.from_spec(bad)
+        with pytest.raises(ValueError, match="multiple of 16"):
+            fg.GemmConfig.from_spec("8,64,4,4,1")
 
     def test_main_without_gpu(self, capsys):
         if jax.default_backend() == "gpu":

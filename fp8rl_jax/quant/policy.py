@@ -235,8 +235,9 @@ class GemmBackend(enum.Enum):
     AUTO = "auto"  # FP8RL_FP8_GEMM, else the measured table's choice for the shape or the device kind, else MOSAIC
     MOSAIC = "mosaic"  # pallas_kernels.fp8_gemm_mgpu where the shape allows, the Triton fp8_gemm elsewhere
     CUBLASLT = "cublaslt"  # fp8rl_jax.quant.cublaslt (cuBLAS's block-scaled FP8) where the shape allows
-    TRITON = "triton"  # pallas_kernels.fp8_gemm with `triton_config`: split-K at decode-sized M (opt-in: 1.02-2.86x
-    # cuBLASLt's GPU time at Qwen3-8B's decode shapes on the H200, session 27)
+    TRITON = "triton"  # pallas_kernels.fp8_gemm with `triton_config`: split-K at decode-sized M. AUTO runs the shapes
+    # its measured table (`TRITON_GEMM_TABLE`) has it winning: on the H200 (session 28) Qwen3-8B's o_proj, fused
+    # q/k/v and fused gate/up at up to 64 rows (8-22% less GPU time than cuBLASLt); cuBLASLt kept the rest
 
     def resolve(self, m: int | None = None, n: int | None = None, k: int | None = None) -> GemmBackend:
         """The backend for an ``[M, K] x [N, K]^T`` GEMM: this one unless AUTO; for AUTO the
@@ -289,16 +290,17 @@ def _measured_triton(kind: str) -> dict[tuple[int, int, int], tuple[gemm_kernel.
 def triton_config(m: int, n: int | None = None, k: int | None = None) -> gemm_kernel.GemmConfig:
     """The Triton GEMM's tiling for ``GemmBackend.TRITON`` at an ``[M, K] x [N, K]^T`` GEMM: the measured table's
     (`TRITON_GEMM_TABLE`) for this device kind and (M bucket, N, K) where it has one, else one of
-    `pallas_kernels.fp8_gemm.DECODE_CONFIGS` by M (64-wide N tiles, M in one or two tiles, K split so the programs
-    fill the SMs: Qwen3-8B's o_proj at 128 rows runs 64 x 4 programs) up to 256 rows, else its default tiling
-    (H200 session 27, per-step scale loads: the best per shape and M was 64 x 64 with 2 splits or 128 x 64 with
-    2-4, none faster than cuBLASLt)."""
+    `pallas_kernels.fp8_gemm.DECODE_CONFIGS` by M up to 256 rows, else its default tiling. Up to 64 rows: 64 x 64
+    with the weight's rows on the wgmma's M side, scales prefetched, K split in 2 (the pattern of every 64-row win
+    over cuBLASLt, H200 session 28); up to 256: 64-wide N tiles, M in one or two tiles, K split so the programs
+    fill the SMs (Qwen3-8B's o_proj at 128 rows runs 64 x 4 programs; session 27's fastest, none faster than
+    cuBLASLt)."""
     if n is not None and k is not None:
         tuned = _measured_triton(device_kind()).get((m_bucket(m), n, k))
         if tuned is not None:
             return tuned[0]
-    if m <= 64:
-        return gemm_kernel.GemmConfig(64, 64, 4, 4, k_splits=2)
+    if m <= 64:  # the winner's pattern at 64 rows (H200 session 28): weight rows on the wgmma's M side
+        return gemm_kernel.GemmConfig(64, 64, 4, 4, k_splits=2, swap_ab=True, prefetch_scales=True)
     if m <= 128:
         return gemm_kernel.GemmConfig(128, 64, 4, 4, k_splits=4)
     if m <= 256:  # the fastest at 256 rows on 3 of the 4 Qwen3-8B shapes (H200 session 27)
