@@ -80,7 +80,9 @@ class GemmConfig:
         them in split order (deterministic) and casts once. 1: no split.
       swap_ab: compute each tile transposed, ``out^T = B_tile @ A_tile^T`` ([block_n, block_m]): the weight's rows
         on the wgmma's M side (64 per instruction), decode-sized M on its N side (8-256). Needs ``block_n``
-        dividing 128, so a tile's rows of B lie in one 128-row scale block: one weight scale per K step.
+        dividing 128 (a tile's rows of B in one 128-row scale block: one weight scale per K step) or a multiple
+        of 128 (one accumulator and one scale per 128-row block, A's tile loaded once a step for all of them:
+        fewer programs re-reading the activations from L2 for the same weight bytes).
       preload_scales: load the program's scales of every K step it runs before its K loop (the steps padded to a
         power of two with zero scales), each step picking its own in registers, where they are otherwise loaded
         per step: those loads do not feed a dot, so Triton's pipeliner leaves them as plain global loads whose
@@ -113,8 +115,8 @@ class GemmConfig:
         for name in ("swap_ab", "preload_scales", "prefetch_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemmConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.swap_ab and BK % self.block_n:
-            raise ValueError(f"GemmConfig.swap_ab needs block_n dividing {BK}, got {self.block_n}")
+        if self.swap_ab and BK % self.block_n and self.block_n % BK:
+            raise ValueError(f"GemmConfig.swap_ab needs block_n dividing {BK} or a multiple of it, got {self.block_n}")
 
     @classmethod
     def from_spec(cls, spec: str) -> GemmConfig:
@@ -186,9 +188,11 @@ def _next_pow2(x: int) -> int:
 def preload_steps(config: GemmConfig, steps: int) -> int:
     """The K steps a program of ``config`` preloads the scales of when it runs ``steps`` of them (a power of two
     >= steps), or 0 where it loads them per step: no ``preload_scales``, or more than `_PRELOAD_REGS` float32 a
-    thread (activation scales [P, block_m] plus the weight's: [P] with ``swap_ab``, else [P, block_n])."""
+    thread (activation scales [P, block_m] plus the weight's: [P] per 128-row block with ``swap_ab``, else
+    [P, block_n])."""
     p = _next_pow2(steps)
-    per_thread = p * (config.block_m + (1 if config.swap_ab else config.block_n)) / (32 * config.num_warps)
+    weight = max(1, config.block_n // BK) if config.swap_ab else config.block_n  # swap_ab: one per 128-row block
+    per_thread = p * (config.block_m + weight) / (32 * config.num_warps)
     return p if config.preload_scales and per_thread <= _PRELOAD_REGS else 0
 
 
@@ -198,9 +202,11 @@ def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
     [ceil(N/128), kbp]``), o [BM, BN] (Kp = kb * 128; kbp >= kb rows of scales, zeros past kb). With
     ``blocks_per_split`` > 0 (split-K) the program runs K blocks ``[s * blocks_per_split, (s + 1) *
     blocks_per_split)`` of its split s (grid axis 2) and ``o`` is its float32 partial, [1, BM, BN]. ``swap_ab``:
-    the accumulator is the tile transposed, [BN, BM]. ``preload`` > 0: the scales of K steps ``[lo, lo +
-    preload)`` are loaded before the K loop (see `GemmConfig.preload_scales`). ``prefetch``: each step loads the
-    next step's scales (`GemmConfig.prefetch_scales`)."""
+    the accumulators are the tile transposed, one [sub, BM] per 128-row scale block of B the tile spans (sub =
+    min(BN, 128)), each product scaled by its block's scale; a K step loads A's tile once for all of them.
+    ``preload`` > 0: the scales of K steps ``[lo, lo + preload)`` are loaded before the K loop (see
+    `GemmConfig.preload_scales`). ``prefetch``: each step loads the next step's scales
+    (`GemmConfig.prefetch_scales`)."""
     block_m, block_n = o_ref.shape[-2:]
     kb = pl.cdiv(k, BK)
     i, j = pl.program_id(0), pl.program_id(1)
@@ -210,8 +216,13 @@ def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
         hi = jnp.minimum(lo + blocks_per_split, kb)
     mask_m, mask_n, mask_k = m % block_m != 0, n % block_n != 0, k % BK != 0
     row_ok = i * block_m + jnp.arange(block_m, dtype=jnp.int32) < m
-    col_ok = j * block_n + jnp.arange(block_n, dtype=jnp.int32) < n
-    sblock = (j * block_n) // BK  # swap_ab: the tile's 128-row scale block of B
+    # swap_ab: the tile's rows of B in `nsub` sub-tiles of `sub` rows, each inside one 128-row scale block
+    sub = min(block_n, BK) if swap_ab else block_n
+    nsub = block_n // sub
+    sub_ok = [j * block_n + r * sub + jnp.arange(sub, dtype=jnp.int32) < n for r in range(nsub)]
+    col_ok = sub_ok[0] if nsub == 1 else None
+    # their scale blocks, clamped where a masked edge tile runs past N (those rows are zeros, stores masked)
+    sblocks = [jnp.minimum((j * block_n + r * sub) // BK, pl.cdiv(n, BK) - 1) for r in range(nsub)]
 
     def load(ref, mask):
         return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
@@ -221,68 +232,81 @@ def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
         steps = pl.ds(lo, preload)
         sa_all = load(as_ref.at[steps, :], jnp.broadcast_to(row_ok[None, :], (preload, block_m)) if mask_m else None)
         if swap_ab:
-            sb_all = plgpu.load(bs_ref.at[sblock, steps])  # [P]
+            sb_all = tuple(plgpu.load(bs_ref.at[sb, steps]) for sb in sblocks)  # nsub x [P]
         else:
             sb_all = load(bs_ref.at[steps, :], jnp.broadcast_to(col_ok[None, :], (preload, block_n)) if mask_n
                           else None)  # [P, BN]
 
     def scales(t):
-        """(sa [block_m], sb: scalar (swap_ab) or [block_n]) of K step t. Preloaded: a one-hot sum over the
-        preloaded steps, exact (one term is nonzero)."""
+        """(sa [block_m], sb: a tuple of nsub scalars (swap_ab) or [block_n]) of K step t. Preloaded: a one-hot sum
+        over the preloaded steps, exact (one term is nonzero)."""
         if preload:
             hot = ksel == t
             sa = jnp.sum(jnp.where(hot[:, None], sa_all, 0.0), axis=0)
             if swap_ab:
-                return sa, jnp.sum(jnp.where(hot, sb_all, 0.0))
+                return sa, tuple(jnp.sum(jnp.where(hot, x, 0.0)) for x in sb_all)
             return sa, jnp.sum(jnp.where(hot[:, None], sb_all, 0.0), axis=0)
         sa = load(as_ref.at[t, :], row_ok if mask_m else None)
         if swap_ab:
-            return sa, bs_ref[sblock, t]
+            return sa, tuple(bs_ref[sb, t] for sb in sblocks)
         return sa, load(bs_ref.at[t, :], col_ok if mask_n else None)
 
     def product(t, ts=None):
-        """K step t's unscaled product ([BM, BN]; swap_ab: [BN, BM]) and the scales of step ``ts`` (default t)."""
+        """K step t's unscaled products (a tuple: [BM, BN]; swap_ab: nsub x [sub, BM]) and the scales of step
+        ``ts`` (default t)."""
         kk = pl.ds(pl.multiple_of(t * BK, BK), BK)
         k_ok = t * BK + jnp.arange(BK, dtype=jnp.int32) < k
-        am = bm = None
+        am = None
         if mask_m or mask_k:
             am = (row_ok if mask_m else jnp.full((block_m,), True))[:, None] & (
                 k_ok if mask_k else jnp.full((BK,), True))[None, :]
-        if mask_n or mask_k:
-            bm = (col_ok if mask_n else jnp.full((block_n,), True))[:, None] & (
+
+        def b_mask(ok):
+            if not (mask_n or mask_k):
+                return None
+            return (ok if mask_n else jnp.full(ok.shape, True))[:, None] & (
                 k_ok if mask_k else jnp.full((BK,), True))[None, :]
+
         a = load(a_ref.at[:, kk], am)
-        b = load(b_ref.at[:, kk], bm)
-        sa, sb = scales(t if ts is None else ts)  # before the dot: per-step loads are in flight while it runs
-        lhs, rhs = (b, a) if swap_ab else (a, b)
-        d = jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return d, sa, sb
+        if swap_ab:
+            bs = [load(b_ref.at[pl.ds(r * sub, sub), kk] if nsub > 1 else b_ref.at[:, kk], b_mask(sub_ok[r]))
+                  for r in range(nsub)]
+        else:
+            bs = [load(b_ref.at[:, kk], b_mask(col_ok))]
+        sa, sb = scales(t if ts is None else ts)  # before the dots: per-step loads are in flight while they run
+        dn = (((1,), (1,)), ((), ()))
+        ds = tuple(jax.lax.dot_general(b, a, dn, preferred_element_type=jnp.float32) if swap_ab else
+                   jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.float32) for b in bs)
+        return ds, sa, sb
 
     def scaled(d, sa, sb):  # swap_ab: the same products, scaled in the same order
         return (d * sa[None, :]) * sb if swap_ab else (d * sa[:, None]) * sb[None, :]
 
-    shape = (block_n, block_m) if swap_ab else (block_m, block_n)
-    zero = jnp.zeros(shape, jnp.float32)
+    def accumulate(accs, ds, sa, sb):
+        sbs = sb if swap_ab else (sb,)
+        return tuple(acc + scaled(d, sa, s) for acc, d, s in zip(accs, ds, sbs))
+
+    zero = tuple(jnp.zeros((sub, block_m) if swap_ab else (block_m, block_n), jnp.float32) for _ in range(nsub))
     if prefetch:  # step t loads step t + 1's scales (clamped at the last step: a harmless reload)
 
         def body(t, carry):
-            acc, sa, sb = carry
-            d, sa_next, sb_next = product(t, jnp.minimum(t + 1, hi - 1))
-            return acc + scaled(d, sa, sb), sa_next, sb_next
+            accs, sa, sb = carry
+            ds, sa_next, sb_next = product(t, jnp.minimum(t + 1, hi - 1))
+            return accumulate(accs, ds, sa, sb), sa_next, sb_next
 
-        acc, _, _ = jax.lax.fori_loop(lo, hi, body, (zero, *scales(jnp.asarray(lo, jnp.int32))))
+        accs, _, _ = jax.lax.fori_loop(lo, hi, body, (zero, *scales(jnp.asarray(lo, jnp.int32))))
     else:
-        acc = jax.lax.fori_loop(lo, hi, lambda t, acc: acc + scaled(*product(t)), zero)
-    if swap_ab:
-        acc = acc.T
-    out = acc.astype(o_ref.dtype)
-    ok = row_ok[:, None] & col_ok[None, :]
-    if blocks_per_split:  # the partial's block [1, BM, BN]
-        out, ok = out[None], ok[None]
-    if mask_m or mask_n:
-        plgpu.store(o_ref, out, mask=ok)
-    else:
-        o_ref[...] = out
+        accs = jax.lax.fori_loop(lo, hi, lambda t, accs: accumulate(accs, *product(t)), zero)
+    for r, acc in enumerate(accs):
+        out = (acc.T if swap_ab else acc).astype(o_ref.dtype)
+        ok = row_ok[:, None] & sub_ok[r][None, :]
+        ref = o_ref.at[..., pl.ds(r * sub, sub)] if nsub > 1 else o_ref
+        if blocks_per_split:  # the partial's block [1, BM, BN]
+            out, ok = out[None], ok[None]
+        if mask_m or mask_n:
+            plgpu.store(ref, out, mask=ok)
+        else:
+            ref[...] = out
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))

@@ -155,6 +155,11 @@ GEMM_CASES = [
     (5, 300, 200, fg.GemmConfig(16, 32, 4, 2, prefetch_scales=True)),
     (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, k_splits=2, swap_ab=True, prefetch_scales=True)),
     (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, swap_ab=True, prefetch_scales=True)),
+    # swap_ab over several 128-row scale blocks (one accumulator and scale each, A loaded once a step): N = 300 ends
+    # inside the second 256-row tile, whose upper block lies wholly past N (its scale index clamped, stores masked)
+    (40, 300, 640, fg.GemmConfig(32, 256, 4, 2, k_splits=2, swap_ab=True, prefetch_scales=True)),
+    (17, 520, 384, fg.GemmConfig(16, 256, 4, 2, swap_ab=True, preload_scales=True)),
+    (64, 768, 1024, fg.GemmConfig(64, 384, 8, 2, k_splits=3, swap_ab=True)),
     (32, 256, 1024, fg.GemmConfig(16, 128, 4, 2, k_splits=3, prefetch_scales=True)),
 ]
 
@@ -276,8 +281,8 @@ class TestGemmReference:
             fg.fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.int32)
         with pytest.raises(ValueError, match="multiple of 16"):
             fg.GemmConfig(block_m=8)
-        with pytest.raises(ValueError, match="swap_ab needs block_n dividing 128"):
-            fg.GemmConfig(block_n=256, swap_ab=True)
+        with pytest.raises(ValueError, match="swap_ab needs block_n dividing 128 or a multiple of it"):
+            fg.GemmConfig(block_n=192, swap_ab=True)
         with pytest.raises(ValueError, match="preload_scales must be a bool"):
             fg.GemmConfig(preload_scales=1)
 
@@ -288,6 +293,9 @@ class TestGemmReference:
         assert fg.preload_steps(dataclasses.replace(cfg, preload_scales=False), 16) == 0
         wide = dataclasses.replace(cfg, swap_ab=False)  # [P, 128] + [P, 64] scales over 128 threads
         assert [fg.preload_steps(wide, s) for s in (32, 64)] == [32, 0]
+        many = fg.GemmConfig(16, 512, 1, 2, swap_ab=True, preload_scales=True)  # [P, 16] + 4 x [P] over 32 threads
+        assert [fg.preload_steps(many, s) for s in (64, 65)] == [64, 0]
+        assert [fg.preload_steps(dataclasses.replace(many, swap_ab=False), s) for s in (2, 3)] == [2, 0]
 
     def test_config_specs(self):
         # the command lines' notation (bench_decode_gemms --triton-configs, inspect_triton_codegen --gemm-configs)
@@ -325,8 +333,8 @@ class TestTritonLowering:
             text = fq._quantize_stacked.trace(w, config, False).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
 
-    @pytest.mark.parametrize("config", [fg.DEFAULT_CONFIG, *fg.SWEEP_CONFIGS, *fg.DECODE_CONFIGS, GEMM_CASES[0][3]],
-                             ids=str)
+    @pytest.mark.parametrize("config", [fg.DEFAULT_CONFIG, *fg.SWEEP_CONFIGS, *fg.DECODE_CONFIGS, GEMM_CASES[0][3],
+                                        fg.GemmConfig(128, 256, 8, 4, swap_ab=True, prefetch_scales=True)], ids=str)
     @pytest.mark.parametrize("mnk", [(5, 300, 200), (256, 512, 1024)], ids=str)
     def test_gemm_lowers(self, config, mnk):
         m, n, k = mnk
