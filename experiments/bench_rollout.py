@@ -291,6 +291,9 @@ def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampli
         # and the tokens they did not recompute
         "swap_outs": st["swap_outs"], "swap_ins": st["swap_ins"], "swapped_tokens": st["swapped_tokens"],
         "gpu_during_run": gpu.summary(),
+        # generated tokens per joule of board energy (the run's mean power): what a mode buys where the run holds
+        # the power cap, as every W1 run on the H200 does (sessions 20-28), so machines' clocks matter less
+        "tokens_per_joule": tokens_per_joule(generated / wall, gpu.summary()),
     }
 
 
@@ -408,15 +411,23 @@ def main(cfg: BenchConfig) -> dict:
                      if b["mode"] == "none" and b.get("workload") == r.get("workload")), None)
 
     print("\n| mode | tokens/s | vs none | preemptions | weight sync ms | decode step ms (batch) | of HBM roofline "
-          "| SM MHz median (power-capped) |\n|---|---|---|---|---|---|---|---|")
+          "| SM MHz median (power-capped) | tokens/J |\n|---|---|---|---|---|---|---|---|---|")
     for r in results["runs"]:
         ratio = f"{r['tokens_per_s'] / base(r):.2f}x" if base(r) else "n/a"
         step = (f"{r['decode_step_ms']:.2f} ({r['decode_batch_mean']:.0f}) | {r['decode_hbm_fraction']:.0%}"
                 if "decode_step_ms" in r else "n/a | n/a")
         name = r["mode"] + (f" ({r['workload']})" if "workload" in r else "")
+        tpj = f"{r['tokens_per_joule']:.2f}" if r.get("tokens_per_joule") else "n/a"
         print(f"| {name} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} | {step} "
-              f"| {clocks_cell(r.get('gpu_during_run'))} |")
+              f"| {clocks_cell(r.get('gpu_during_run'))} "
+              f"| {tpj} |")
     return results
+
+
+def tokens_per_joule(tokens_per_s: float, gpu: dict | None) -> float | None:
+    """Tokens per joule from a run's `GpuMonitor` summary (its mean board power), None without power samples."""
+    watts = ((gpu or {}).get("power_w") or {}).get("mean")
+    return tokens_per_s / watts if watts else None
 
 
 def clocks_cell(gpu: dict | None) -> str:

@@ -75,6 +75,9 @@ def test_bench_rollout_tiny(tmp_path):
     sm = {"median": 1740.0, "min": 1530.0, "max": 1935.0}
     assert bench.clocks_cell({"sm_clock_mhz": sm, "clock_event_reasons": {"sw_power_cap": 0.992}}) == "1740 (99%)"
     assert bench.clocks_cell({"sm_clock_mhz": sm, "clock_event_reasons": None}) == "1740 (0%)"
+    # tokens per joule from the mean board power (session 28, W1 none: 8368 tokens/s at 680.3 W); none without power
+    assert bench.tokens_per_joule(8368.0, {"power_w": {"mean": 680.3, "max": 701.3}}) == pytest.approx(12.30, abs=5e-3)
+    assert res["runs"][0]["tokens_per_joule"] is None is bench.tokens_per_joule(10.0, {"power_w": None})
 
 
 def test_bench_rollout_kv_pool_like_vllm(tmp_path):
