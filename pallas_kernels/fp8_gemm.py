@@ -222,7 +222,9 @@ def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
     sub_ok = [j * block_n + r * sub + jnp.arange(sub, dtype=jnp.int32) < n for r in range(nsub)]
     col_ok = sub_ok[0] if nsub == 1 else None
     # their scale blocks, clamped where a masked edge tile runs past N (those rows are zeros, stores masked)
-    sblocks = [jnp.minimum((j * block_n + r * sub) // BK, pl.cdiv(n, BK) - 1) for r in range(nsub)]
+    sblocks = [(j * block_n + r * sub) // BK for r in range(nsub)]
+    if mask_n and nsub > 1:
+        sblocks = [jnp.minimum(sb, pl.cdiv(n, BK) - 1) for sb in sblocks]
 
     def load(ref, mask):
         return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
