@@ -10,16 +10,18 @@
 source experiments/device/env.sh
 cp fp8rl_jax/quant/fp8_gemm_triton.json "$OUT/fp8_gemm_triton.json"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit --format=csv
-  echo "== Triton GEMM GPU tests"; timeout $(left 150) python -m pytest -q -x -m gpu tests/test_pallas_kernels.py \
+  echo "== Triton GEMM GPU tests"; timeout $(left 140) python -m pytest -q -x -m gpu tests/test_pallas_kernels.py \
     -k "TestGemmGpu and (vs_reference or zero_scale)" -p no:cacheprovider 2>&1 | tail -3
-  for m in 64 128 256; do
-    case $m in  # configs that lower without spills (offline sm_90 codegen, session 28) and each M's best so far
-      64) cfgs="64,64,4,4,1,swap,prefetch 64,64,4,4,4,swap,prefetch 64,256,4,4,1,swap,prefetch 64,256,8,4,1,swap,prefetch 64,256,8,4,2,swap,prefetch" ;;
-      *) cfgs="128,64,4,4,2,swap,prefetch 128,256,8,4,1,swap,prefetch 128,256,8,3,1,swap,prefetch 64,256,4,4,1,swap,prefetch 64,256,8,4,2,swap,prefetch" ;;
-    esac
-    echo "== decode GEMMs, $m rows"; timeout $(left $((200 + m))) python experiments/bench_decode_gemms.py \
+  # configs (all swap_ab + prefetch) chosen offline (session 28: Triton 3.6 sm_90 codegen for registers, spills and
+  # shared memory, hence CTAs per SM): one wave of programs or less on 132 SMs at the large shapes, and fewer
+  # activation bytes re-read from L2 per weight byte (128- and 256-row weight tiles); each M's best so far first
+  for spec in "64 270 64,64,4,4,1 64,64,4,4,4 64,64,4,3,1 64,64,4,3,4 64,128,4,3,1 64,128,8,3,1 64,128,8,3,4 64,256,8,3,1 64,256,8,3,8" \
+              "128 385 128,64,4,4,2 128,64,4,3,1 128,64,4,3,4 128,256,8,2,1 128,256,8,3,1 128,256,8,2,8" \
+              "256 490 128,64,4,4,2 128,64,4,3,1 128,256,8,2,1 128,256,8,3,1 128,256,8,2,8"; do
+    set -- $spec; m=$1 until=$2; shift 2
+    echo "== decode GEMMs, $m rows"; timeout $(left $until) python experiments/bench_decode_gemms.py \
       --preset qwen3_8b --m $m --shapes qkv o_proj gate_up down_proj --splits 2 --triton --out "$OUT/decode_gemms_m$m.json" \
-      --triton-table-out "$OUT/fp8_gemm_triton.json" --triton-configs $cfgs
+      --triton-table-out "$OUT/fp8_gemm_triton.json" --triton-configs $(printf '%s,swap,prefetch ' "$@")
     echo "rc=$?"
   done
   for gemm in cublaslt auto; do
