@@ -251,6 +251,7 @@ def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampli
         batch = engine.generate(prompts, sampling)
     engine.progress = None
     wall = time.perf_counter() - t0
+    gpu_summary = gpu.summary()
     generated = int(batch.lengths.sum())
     m = cfg.model
     kv_token_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * engine.kv_dtype.itemsize
@@ -290,10 +291,10 @@ def _measure(cfg: BenchConfig, engine: JaxEngine, mode: Fp8Mode, prompts, sampli
         # swap preemption (EngineConfig.swap_space_gib): sequences whose KV went to host memory and came back,
         # and the tokens they did not recompute
         "swap_outs": st["swap_outs"], "swap_ins": st["swap_ins"], "swapped_tokens": st["swapped_tokens"],
-        "gpu_during_run": gpu.summary(),
+        "gpu_during_run": gpu_summary,
         # generated tokens per joule of board energy (the run's mean power): what a mode buys where the run holds
         # the power cap, as every W1 run on the H200 does (sessions 20-28), so machines' clocks matter less
-        "tokens_per_joule": tokens_per_joule(generated / wall, gpu.summary()),
+        "tokens_per_joule": tokens_per_joule(generated / wall, gpu_summary),
     }
 
 
@@ -419,8 +420,7 @@ def main(cfg: BenchConfig) -> dict:
         name = r["mode"] + (f" ({r['workload']})" if "workload" in r else "")
         tpj = f"{r['tokens_per_joule']:.2f}" if r.get("tokens_per_joule") else "n/a"
         print(f"| {name} | {r['tokens_per_s']:.0f} | {ratio} | {r['preemptions']} | {r['weight_sync_ms']:.1f} | {step} "
-              f"| {clocks_cell(r.get('gpu_during_run'))} "
-              f"| {tpj} |")
+              f"| {clocks_cell(r.get('gpu_during_run'))} | {tpj} |")
     return results
 
 
