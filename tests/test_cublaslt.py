@@ -562,6 +562,38 @@ class TestGpu:
         want = W8A8Policy(gemm=GemmBackend.MOSAIC).dot(x, w, Site(0, Proj.O)).astype(jnp.float32)
         assert float(jnp.max(jnp.abs(got - want))) <= 2e-2 * float(jnp.max(jnp.abs(want)))
 
+    def test_auto_follows_the_committed_triton_table(self, monkeypatch):
+        """On a device kind the committed `TRITON_GEMM_TABLE` measured, AUTO runs each of its Triton shapes on the
+        Triton kernel with the measured config (traced under jit, as the generator runs it) and the rest on
+        cuBLASLt; the products agree with cuBLASLt's."""
+        import json
+
+        import fp8rl_jax.quant.policy as P
+
+        kind = P.device_kind()
+        entries = [e for e in json.loads(P.TRITON_GEMM_TABLE.read_text())["entries"] if e["device_kind"] == kind]
+        if not entries:
+            pytest.skip(f"the committed Triton table has no entry for {kind}")
+        monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
+        configs = []
+        real = P.gemm_kernel.fp8_gemm
+
+        def spy(*args, config=None, **kw):
+            configs.append(config)
+            return real(*args, config=config, **kw)
+
+        monkeypatch.setattr(P.gemm_kernel, "fp8_gemm", spy)
+        for e in entries:
+            m, n, k = e["m_bucket"], e["n"], e["k"]
+            x = jax.random.normal(jax.random.key(n + k + m), (m, k), jnp.bfloat16)
+            w = quantize_weight_blockwise(jax.random.normal(jax.random.key(n), (n, k), jnp.float32) * k ** -0.5)
+            configs.clear()
+            got = jax.jit(lambda x, w=w: W8A8Policy(gemm=GemmBackend.AUTO).dot(x, w, Site(0, Proj.O)))(x)
+            assert configs == ([P.gemm_kernel.GemmConfig(**e["config"])] if e["backend"] == "triton" else []), e
+            want = W8A8Policy(gemm=GemmBackend.CUBLASLT).dot(x, w, Site(0, Proj.O)).astype(jnp.float32)
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+            assert err <= 2e-2, (e, err)
+
     @pytest.mark.parametrize("m,n,c", [(4096, 4096, 8192), (1024, 4096, 3000), (100, 768, 640)])
     def test_1d_matches_reference_or_says_why_not(self, m, n, c):
         """The wgrad's 1x128 x 1x128 scaling: against the dequantized float32 product where this cuBLASLt

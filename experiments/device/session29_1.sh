@@ -12,6 +12,8 @@ cp fp8rl_jax/quant/fp8_gemm_triton.json "$OUT/fp8_gemm_triton.json"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit --format=csv
   echo "== Triton GEMM GPU tests"; timeout $(left 140) python -m pytest -q -x -m gpu tests/test_pallas_kernels.py \
     -k "TestGemmGpu and (vs_reference or zero_scale)" -p no:cacheprovider 2>&1 | tail -3
+  timeout $(left 170) python -m pytest -q -m gpu tests/test_cublaslt.py -k "committed_triton_table" -p no:cacheprovider \
+    2>&1 | tail -2
   # configs (all swap_ab + prefetch) chosen offline (session 28: Triton 3.6 sm_90 codegen for registers, spills and
   # shared memory, hence CTAs per SM): one wave of programs or less on 132 SMs at the large shapes, and fewer
   # activation bytes re-read from L2 per weight byte (128- and 256-row weight tiles); each M's best so far first

@@ -158,8 +158,10 @@ class EngineConfig:
         fused (H200, session 15: step 17.89 -> 17.24 ms in mode kv). True: the experts too. Not with
         a mesh.
       fp8_gemm: the dense FP8 GEMM on the GPU (`fp8rl_jax.quant.policy.GemmBackend`): our Mosaic
-        kernel or cuBLASLt's block-scaled FP8 (``fp8rl_jax.quant.cublaslt``); AUTO reads
-        ``FP8RL_FP8_GEMM``, else the faster one measured for each shape on this device kind
+        kernel, our Triton kernel or cuBLASLt's block-scaled FP8 (``fp8rl_jax.quant.cublaslt``); AUTO reads
+        ``FP8RL_FP8_GEMM``, else the Triton kernel where its measured table found it faster for the shape
+        (``fp8rl_jax/quant/fp8_gemm_triton.json``; H200: Qwen3-8B's q/k/v, o_proj and gate/up at up to 64
+        rows), else the faster of the other two measured for the shape on this device kind
         (``fp8rl_jax/quant/fp8_gemm_backends.json``), else that table's default for the device kind
         (cuBLASLt on the H200), else the Mosaic kernel.
       fused_cast: the BF16 GEMMs (every linear of a BF16 generator, lm_head and router beside FP8 ones)
