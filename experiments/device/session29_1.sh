@@ -19,7 +19,7 @@ cp fp8rl_jax/quant/fp8_gemm_triton.json "$OUT/fp8_gemm_triton.json"
   # activation bytes re-read from L2 per weight byte (128- and 256-row weight tiles); each M's best so far first
   for spec in "64 270 64,64,4,4,1 64,64,4,4,4 64,64,4,3,1 64,64,4,3,4 64,128,4,3,1 64,128,8,3,1 64,128,8,3,4 64,256,8,3,1 64,256,8,3,8" \
               "128 385 128,64,4,4,2 128,64,4,3,1 128,64,4,3,4 128,256,8,2,1 128,256,8,3,1 128,256,8,2,8" \
-              "256 490 128,64,4,4,2 128,64,4,3,1 128,256,8,2,1 128,256,8,3,1 128,256,8,2,8"; do
+              "256 490 128,64,4,4,2 128,64,4,3,1 128,256,8,2,1 128,256,8,2,2 128,256,8,2,8"; do
     set -- $spec; m=$1 until=$2; shift 2
     echo "== decode GEMMs, $m rows"; timeout $(left $until) python experiments/bench_decode_gemms.py \
       --preset qwen3_8b --m $m --shapes qkv o_proj gate_up down_proj --splits 2 --triton --out "$OUT/decode_gemms_m$m.json" \
