@@ -2,7 +2,8 @@
 kernel (default) or, with ``--kernel grouped_gemm``, the FP8 MoE grouped GEMM at a Qwen3-30B-A3B expert
 shape (``--gg-configs block_m,block_n,warps,stages[,swap]``; whether the K loop runs wgmma or mma.sync), or with
 ``--kernel gemm`` the dense FP8 GEMM's split-K decode configs
-(``--gemm-configs bm,bn,warps,stages,k_splits[,swap][,preload][,prefetch]``).
+(``--gemm-configs bm,bn,warps,stages,k_splits[,swap][,preload][,prefetch]``; each result also gives the grid's
+programs and its waves of resident CTAs on the H200's 132 SMs, which session 28 chose the next sweep's configs by).
 
 Two halves, run by two interpreters (jax's XLA bundles its own Triton; the `triton` wheel is only
 needed for the offline compile):
@@ -40,6 +41,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+H200_SMS = 132
 
 
 def dump(captured: list[str], out: Path, dtypes, bps, stages, warps, batch: int, context: int,
@@ -99,7 +101,10 @@ def dump_grouped_gemm(captured: list[str], out: Path, configs: list[str], tokens
         assert len(captured) == 1, len(captured)
         name = f"gg_n{n}_k{k}_bm{bm}_bn{bn}_w{w}_s{st}{'_swap' if swap else ''}"
         (out / f"{name}.ttir").write_text(captured[0])
-        jobs.append({"name": name, "num_warps": w, "num_stages": st})
+        splits = min(ks, kb)
+        splits = -(-kb // -(-kb // splits))  # as `_fp8_gemm` grids it: no empty split
+        jobs.append({"name": name, "num_warps": w, "num_stages": st,
+                     "programs": -(-m // bm) * -(-n // bn) * splits})
     return jobs
 
 
@@ -126,7 +131,10 @@ def dump_gemm(captured: list[str], out: Path, configs: list[str], m: int, n: int
         name = (f"gemm_m{m}_n{n}_k{k}_bm{bm}_bn{bn}_w{w}_s{st}_k{ks}{'_swap' if swap else ''}"
                 f"{'_preload' if preload else ''}{'_prefetch' if prefetch else ''}")
         (out / f"{name}.ttir").write_text(captured[0])
-        jobs.append({"name": name, "num_warps": w, "num_stages": st})
+        splits = min(ks, kb)
+        splits = -(-kb // -(-kb // splits))  # as `_fp8_gemm` grids it: no empty split
+        jobs.append({"name": name, "num_warps": w, "num_stages": st,
+                     "programs": -(-m // bm) * -(-n // bn) * splits})
     return jobs
 
 
@@ -250,6 +258,9 @@ def compile_all(out: Path, jobs: list[dict]) -> list[dict]:
                "ctas_by_regs": cta_by_regs, "ctas_by_smem": cta_by_smem,
                "loop_ptx_ops": _op_counts(_loop_body(texts["ptx"])), "ttgir_loop": _ttgir_loop_facts(texts["ttgir"]),
                "loop_sass_per_warp": sass.get("instructions"), "loop_sass_ops": sass.get("ops")}
+        # the GEMM's grid in waves of resident CTAs on the H200's SMs (a partial last wave idles SMs)
+        if "programs" in job:
+            res["waves"] = round(job["programs"] / (H200_SMS * res["ctas_per_sm"]), 2)
         results.append(res)
         print(json.dumps(res), flush=True)
     return results

@@ -198,8 +198,10 @@ def test_inspect_codegen_dumps_the_dense_gemm_split_k_configs(tmp_path):
     insp = _load("inspect_triton_codegen")
     assert insp.main(["--kernel", "gemm", "--phase", "dump", "--out", str(tmp_path), "--gemm-configs", "64,64,4,4,2",
                       "128,64,4,3,4", "--gemm-shape", "64", "256", "512"]) == 0
-    names = [j["name"] for j in __import__("json").loads((tmp_path / "jobs.json").read_text())]
+    jobs = __import__("json").loads((tmp_path / "jobs.json").read_text())
+    names = [j["name"] for j in jobs]
     assert names == ["gemm_m64_n256_k512_bm64_bn64_w4_s4_k2", "gemm_m64_n256_k512_bm128_bn64_w4_s3_k4"]
+    assert [j["programs"] for j in jobs] == [1 * 4 * 2, 1 * 4 * 4]  # M tiles x N tiles x K splits (4 K blocks)
     assert all("tt.dot" in (tmp_path / f"{n}.ttir").read_text() for n in names)
 
 
