@@ -359,12 +359,9 @@ def test_auto_follows_the_measured_table_per_shape(tmp_path, monkeypatch):
         P._default_backend.cache_clear()
 
 
-def test_triton_backend_runs_the_split_k_kernel(monkeypatch):
-    """``GemmBackend.TRITON`` (or ``FP8RL_FP8_GEMM=triton``) runs the dense W8A8 matmul on the Triton kernel with
-    `triton_config`'s split-K tiling for the rows (interpret mode here), in the policy and in FP8 training's
-    GEMM; the product equals the reference's."""
+def _spy_triton_configs(monkeypatch) -> list:
+    """Records the `GemmConfig` of every call the policy makes to the Triton GEMM kernel (which still runs)."""
     import fp8rl_jax.quant.policy as P
-    import fp8rl_jax.quant.training as T
 
     configs = []
     real = P.gemm_kernel.fp8_gemm
@@ -374,6 +371,17 @@ def test_triton_backend_runs_the_split_k_kernel(monkeypatch):
         return real(*args, config=config, **kw)
 
     monkeypatch.setattr(P.gemm_kernel, "fp8_gemm", spy)
+    return configs
+
+
+def test_triton_backend_runs_the_split_k_kernel(monkeypatch):
+    """``GemmBackend.TRITON`` (or ``FP8RL_FP8_GEMM=triton``) runs the dense W8A8 matmul on the Triton kernel with
+    `triton_config`'s split-K tiling for the rows (interpret mode here), in the policy and in FP8 training's
+    GEMM; the product equals the reference's."""
+    import fp8rl_jax.quant.policy as P
+    import fp8rl_jax.quant.training as T
+
+    configs = _spy_triton_configs(monkeypatch)
     monkeypatch.setattr(P.mgpu_kernel, "fp8_gemm_mgpu", lambda *a, **k: pytest.fail("the Mosaic kernel ran"))
     x = jax.random.normal(jax.random.key(1), (3, 5, 256), jnp.float32)
     w = quantize_weight_blockwise(jax.random.normal(jax.random.key(2), (384, 256), jnp.float32) * 0.1)
@@ -575,14 +583,7 @@ class TestGpu:
         if not entries:
             pytest.skip(f"the committed Triton table has no entry for {kind}")
         monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
-        configs = []
-        real = P.gemm_kernel.fp8_gemm
-
-        def spy(*args, config=None, **kw):
-            configs.append(config)
-            return real(*args, config=config, **kw)
-
-        monkeypatch.setattr(P.gemm_kernel, "fp8_gemm", spy)
+        configs = _spy_triton_configs(monkeypatch)
         for e in entries:
             m, n, k = e["m_bucket"], e["n"], e["k"]
             x = jax.random.normal(jax.random.key(n + k + m), (m, k), jnp.bfloat16)
