@@ -398,3 +398,27 @@ def test_stall_hunt_reports_a_child_that_stops_progressing(tmp_path):
     row = hunt.run_config("bfloat16", cfg, batch=1, context=16, seconds=1, stall_s=1.0, compile_s=30,
                           command=[sys.executable, str(crash)])
     assert row["status"] == "error rc=3" and row["log_tail"] == ["boom"]
+
+
+def test_bench_stream_overlap_tiny(tmp_path):
+    """The two-batch-overlap programs on the CPU: the two-stream program carries XLA's stream annotations and gives
+    exactly the one-stream program's outputs, and both halve-row orders compute what the full-batch step does."""
+    bench = _load("bench_stream_overlap")
+    out = tmp_path / "overlap.json"
+    res = bench.main(["--preset", "tiny_qwen3", "--rows", "2", "--context", "32", "--layers", "2", "--repeats", "1",
+                      "--weight-sets", "2", "--out", str(out)])
+    assert out.exists() and set(res["runs"]) == set(bench.PROGRAMS)
+    assert res["halves_streams_equal_serial"] is True and res["halves_streams_write_on_main_equal_serial"] is True
+    assert res["runs"]["halves_streams"]["stream_annotations"] > 0
+    assert res["runs"]["halves_streams_write_on_main"]["stream_annotations"] > 0
+    assert res["runs"]["halves_serial"]["stream_annotations"] == 0
+    # the halves compute the full batch's rows (row-independent ops; BF16 GEMMs of other M may round differently)
+    assert res["halves_vs_full_max_rel_err"] < 1e-2
+    # the donated pool goes from call to call without recompiling (the operands are committed, as outputs are)
+    assert all(r["recompiled_in_timed_calls"] == 0 for r in res["runs"].values())
+    assert bench.with_stream_flag("--a=1") == "--a=1 " + bench.STREAM_FLAG
+    assert bench.with_stream_flag(bench.STREAM_FLAG) == bench.STREAM_FLAG
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny_qwen3_moe"])
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny_qwen3", "--programs", "nope"])
