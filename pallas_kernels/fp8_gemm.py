@@ -311,8 +311,8 @@ def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
             ref[...] = out
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config: GemmConfig, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "a_scale_t"))
+def _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config: GemmConfig, interpret: bool, a_scale_t: bool = False):
     m, k = a.shape
     n = b.shape[0]
     kb = pl.cdiv(k, BK)
@@ -322,7 +322,7 @@ def _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config: GemmConfig, interpr
     splits = pl.cdiv(kb, per)  # no empty split
     preload = preload_steps(config, per)
     kbp = (splits - 1) * per + preload if preload else kb  # scale rows: the last split's preload fits
-    as_t = jnp.pad(a_scale.T, ((0, kbp - kb), (0, 0)))  # [kbp, M]
+    as_t = jnp.pad(a_scale if a_scale_t else a_scale.T, ((0, kbp - kb), (0, 0)))  # [kbp, M]
     if config.swap_ab:  # as is: one scale per (128-row block, K step)
         bs = jnp.pad(b_scale_inv, ((0, 0), (0, kbp - kb)))  # [ceil(N/128), kbp]
         bs_spec = pl.BlockSpec(bs.shape, lambda i, j, *s: (0, 0))
@@ -399,17 +399,22 @@ def fp8_gemm(
     out_dtype=jnp.bfloat16,
     config: GemmConfig | None = None,
     interpret: bool | None = None,
+    a_scale_t: bool = False,
 ) -> jax.Array:
     """Block-scaled FP8 ``A @ B^T``: see the module note for the exact math.
 
     Args:
       a: float8_e4m3fn ``[M, K]`` activations.
-      a_scale: float32 ``[M, ceil(K/128)]`` per-token 1x128 dequantization scales.
+      a_scale: float32 ``[M, ceil(K/128)]`` per-token 1x128 dequantization scales (``[ceil(K/128), M]`` with
+        ``a_scale_t``).
       b: float8_e4m3fn ``[N, K]`` weight (out_features, in_features).
       b_scale_inv: float32 ``[ceil(N/128), ceil(K/128)]`` 128x128 block scales.
       out_dtype: bfloat16 (default), float16 or float32.
       config: tiling (`GemmConfig`); None uses `DEFAULT_CONFIG`.
       interpret: None runs natively on a GPU backend and in interpret mode otherwise.
+      a_scale_t: ``a_scale`` comes transposed, in the order the kernel reads it (the activation quantization
+        kernels write it so: `pallas_kernels.act_quant`'s ``scales_t``), which saves the transpose kernel XLA
+        otherwise runs before every call.
 
     Returns:
       ``[M, N]`` in `out_dtype`.
@@ -418,8 +423,18 @@ def fp8_gemm(
     if not isinstance(config, GemmConfig):
         raise ValueError(f"config must be a GemmConfig or None, got {type(config).__name__}")
     interpret = resolve_interpret(interpret)
-    out_dtype = _check_operands(a, a_scale, b, b_scale_inv, out_dtype)
-    return _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config, interpret)
+    if a_scale_t:
+        if not hasattr(a_scale, "shape") or not hasattr(a_scale, "dtype"):
+            raise ValueError(f"a_scale must be an array, got {type(a_scale).__name__}")
+        expected = (pl.cdiv(a.shape[-1], BK), a.shape[0]) if getattr(a, "ndim", 0) == 2 else None
+        if expected is not None and tuple(a_scale.shape) != expected:
+            raise ValueError(f"a_scale (a_scale_t=True) has shape {tuple(a_scale.shape)}, expected "
+                             f"(ceil(K/128), M) = {expected}")
+        shown = jax.ShapeDtypeStruct(tuple(a_scale.shape)[::-1], a_scale.dtype)  # the rest checked as [M, K/128]
+        out_dtype = _check_operands(a, shown, b, b_scale_inv, out_dtype)
+    else:
+        out_dtype = _check_operands(a, a_scale, b, b_scale_inv, out_dtype)
+    return _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config, interpret, a_scale_t=bool(a_scale_t))
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))

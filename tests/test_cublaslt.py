@@ -359,8 +359,9 @@ def test_auto_follows_the_measured_table_per_shape(tmp_path, monkeypatch):
         P._default_backend.cache_clear()
 
 
-def _spy_triton_configs(monkeypatch) -> list:
-    """Records the `GemmConfig` of every call the policy makes to the Triton GEMM kernel (which still runs)."""
+def _spy_triton_configs(monkeypatch, scales_t: list | None = None) -> list:
+    """Records the `GemmConfig` of every call the policy makes to the Triton GEMM kernel (which still runs), and in
+    ``scales_t`` (when given) whether the call passed the activation scales transposed."""
     import fp8rl_jax.quant.policy as P
 
     configs = []
@@ -368,6 +369,8 @@ def _spy_triton_configs(monkeypatch) -> list:
 
     def spy(*args, config=None, **kw):
         configs.append(config)
+        if scales_t is not None:
+            scales_t.append(kw.get("a_scale_t", False))
         return real(*args, config=config, **kw)
 
     monkeypatch.setattr(P.gemm_kernel, "fp8_gemm", spy)
@@ -396,6 +399,34 @@ def test_triton_backend_runs_the_split_k_kernel(monkeypatch):
     assert len(configs) == 3
     assert all(P.triton_config(m) in P.gemm_kernel.DECODE_CONFIGS for m in (1, 64, 65, 128, 256))
     assert P.triton_config(4096) == P.gemm_kernel.DEFAULT_CONFIG
+
+
+def test_triton_backend_reads_the_scales_as_quantized(monkeypatch):
+    """On the GPU the policy has the activation quantization write the scales transposed ([K/128, M]) for a shape
+    on the Triton kernel, as for cuBLASLt, and the kernel reads them so (``a_scale_t``): no transpose kernel between
+    them. Forced here on the CPU (interpret mode): every one-pass quantization (plain, SwiGLU, add + RMSNorm) and the
+    composed one hand over transposed scales, with products equal to the untransposed path's."""
+    import fp8rl_jax.quant.policy as P
+
+    flags: list = []
+    _spy_triton_configs(monkeypatch, flags)
+    k = 256
+    x = jax.random.normal(jax.random.key(1), (6, k), jnp.bfloat16)
+    res = jax.random.normal(jax.random.key(4), (6, k), jnp.bfloat16)
+    w = quantize_weight_blockwise(jax.random.normal(jax.random.key(2), (384, k), jnp.float32) * 0.1)
+    w2 = quantize_weight_blockwise(jax.random.normal(jax.random.key(3), (384, 2 * k), jnp.float32) * 0.1)
+    gu = jax.random.normal(jax.random.key(5), (6, 4 * k), jnp.bfloat16)
+    norm_w = jnp.ones((k,), jnp.bfloat16)
+    runs = {}
+    for forced in (False, True):
+        monkeypatch.setattr(P.W8A8Policy, "_scales_t", lambda self, *a, forced=forced: forced)
+        pol = W8A8Policy(kernels=Kernels.PALLAS, gemm=GemmBackend.TRITON)
+        runs[forced] = [pol.dot(x, w, Site(0, Proj.Q)), pol.swiglu_dot(gu, w2, Site(0, Proj.DOWN)),
+                        pol.norm_dot(x, norm_w, 1e-6, w, Site(0, Proj.Q), residual=res)[1],
+                        pol.dot(x.astype(jnp.float32), w, Site(0, Proj.Q))]  # f32 x: the composed quantization
+    assert flags == [False] * 4 + [True] * 4
+    for a, b in zip(runs[False], runs[True]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_measured_triton_table_chooses_shapes_and_configs(monkeypatch, tmp_path):
@@ -583,7 +614,8 @@ class TestGpu:
         if not entries:
             pytest.skip(f"the committed Triton table has no entry for {kind}")
         monkeypatch.delenv("FP8RL_FP8_GEMM", raising=False)
-        configs = _spy_triton_configs(monkeypatch)
+        flags: list = []
+        configs = _spy_triton_configs(monkeypatch, flags)
         for e in entries:
             m, n, k = e["m_bucket"], e["n"], e["k"]
             x = jax.random.normal(jax.random.key(n + k + m), (m, k), jnp.bfloat16)
@@ -591,6 +623,7 @@ class TestGpu:
             configs.clear()
             got = jax.jit(lambda x, w=w: W8A8Policy(gemm=GemmBackend.AUTO).dot(x, w, Site(0, Proj.O)))(x)
             assert configs == ([P.gemm_kernel.GemmConfig(**e["config"])] if e["backend"] == "triton" else []), e
+            assert all(flags), "the Triton GEMM got untransposed scales: a transpose kernel runs before it"
             want = W8A8Policy(gemm=GemmBackend.CUBLASLT).dot(x, w, Site(0, Proj.O)).astype(jnp.float32)
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
             assert err <= 2e-2, (e, err)

@@ -193,6 +193,21 @@ class TestGemmInterpret:
         err = _rel_err(got, want)
         assert err <= self.TOL[jnp.dtype(out_dtype)], f"rel err {err:.2e}"
 
+    @pytest.mark.parametrize("m,n,k,config", [
+        (40, 130, 640, fg.GemmConfig(32, 64, 4, 2)),
+        (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, k_splits=2, swap_ab=True, prefetch_scales=True)),
+        (40, 130, 640, fg.GemmConfig(32, 64, 4, 2, k_splits=2, swap_ab=True, preload_scales=True)),  # padded rows
+    ], ids=lambda v: str(v))
+    def test_scales_transposed(self, m, n, k, config):
+        # a_scale_t: the activation scales as the quantization kernels write them ([K/128, M]), the same products
+        _, _, qa, sa, qw = _gemm_operands(m, n, k, seed=m + n + k + 1)
+        want = fg.fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32, config=config, interpret=self.INTERPRET)
+        got = fg.fp8_gemm(qa, jnp.asarray(np.asarray(sa).T), qw.q, qw.scale_inv, out_dtype=jnp.float32,
+                          config=config, interpret=self.INTERPRET, a_scale_t=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        ref = fg.fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32)
+        assert _rel_err(got, ref) <= self.TOL[jnp.dtype(jnp.float32)]
+
     def test_zero_scale_rows(self):
         # Padded tokens quantize to zero codes with unit scales: their output rows are exactly 0.
         m, n, k = 16, 32, 128
@@ -273,6 +288,10 @@ class TestGemmReference:
             fg.fp8_gemm(qa, sa, qw.q[:, :64], qw.scale_inv)
         with pytest.raises(ValueError, match="a_scale has shape"):
             fg.fp8_gemm(qa, sa[:4], qw.q, qw.scale_inv)
+        with pytest.raises(ValueError, match=r"a_scale \(a_scale_t=True\) has shape \(8, 1\), expected"):
+            fg.fp8_gemm(qa, sa, qw.q, qw.scale_inv, a_scale_t=True)  # not transposed
+        with pytest.raises(ValueError, match="float32"):
+            fg.fp8_gemm(qa, sa.T.astype(jnp.bfloat16), qw.q, qw.scale_inv, a_scale_t=True)
         with pytest.raises(ValueError, match="b_scale_inv has shape"):
             fg.fp8_gemm(qa, sa, qw.q, jnp.zeros((2, 1), jnp.float32))
         with pytest.raises(ValueError, match="float32"):

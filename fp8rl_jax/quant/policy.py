@@ -436,19 +436,22 @@ class W8A8Policy(MatmulPolicy):
 
     def _scales_t(self, m: int, n: int, k: int, out_dtype: Any) -> bool:
         """Whether the kernels' GEMM of ``[M, K] x [N, K]^T`` reads the activation scales ``[K/128, M]``
-        (cuBLASLt) rather than ``[M, K/128]`` (the Pallas GEMMs)."""
-        return jax.default_backend() == "gpu" and use_cublaslt(self.gemm, m, n, k, out_dtype)
+        (cuBLASLt, and the Triton kernel, which reads them so: no transpose kernel before it) rather than
+        ``[M, K/128]`` (the Mosaic GEMM)."""
+        if jax.default_backend() != "gpu":
+            return False
+        return self.gemm.resolve(m, n, k) is GemmBackend.TRITON or use_cublaslt(self.gemm, m, n, k, out_dtype)
 
     def _quantized_gemm(self, xq, xs, scales_t: bool, q, s, out_dtype):
         """The kernels' GEMM of quantized activations (scales in the order `_scales_t` chose) and an FP8 weight."""
         interpret = _interpret()
-        if scales_t:
-            return cublaslt.fp8_gemm_cublaslt_t(xq, xs, q, s, out_dtype=out_dtype,
-                                                algo=cublaslt_algo(xq.shape[0], *q.shape))
         m, (n, k) = xq.shape[0], q.shape
         if self.gemm.resolve(m, n, k) is GemmBackend.TRITON:
             return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, config=triton_config(m, n, k),
-                                        interpret=interpret)
+                                        interpret=interpret, a_scale_t=scales_t)
+        if scales_t:
+            return cublaslt.fp8_gemm_cublaslt_t(xq, xs, q, s, out_dtype=out_dtype,
+                                                algo=cublaslt_algo(xq.shape[0], *q.shape))
         if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
             return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
         return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K
