@@ -533,3 +533,45 @@ def test_swap_space_is_pinned_once_with_a_clear_error(monkeypatch):
         broken.generate([[1, 2, 3]], SamplingConfig(max_tokens=2))
     monkeypatch.setattr(E, "_to_host", real)
     assert len(broken.generate([[1, 2, 3]], SamplingConfig(max_tokens=2)).token_lists()[0]) == 2
+
+
+def test_two_batch_decode_generates_the_same_tokens(monkeypatch):
+    """``EngineConfig.two_batch``: decode steps in two halves of rows (on one stream, or annotated for two, which
+    the CPU compiles and ignores) generate the one-batch engine's tokens and logprobs, through continuous batching
+    (5 prompts, 3 slots: odd halves, slots refilled). The decode steps run the Pallas kernels here (interpret mode),
+    which the two-batch path needs; settings it cannot run are refused with the reason."""
+    from fp8rl_jax.models import TwoBatch
+    from fp8rl_jax.quant.policy import Kernels
+    from fp8rl_jax.rollout import engine as engine_mod
+
+    cfg, rng = tiny_qwen3, np.random.default_rng(31)
+    params = init_params(cfg, jax.random.key(8), jnp.float32)
+    prompts = _prompts(rng, cfg.vocab_size, [4, 9, 3, 6, 2])
+    sampling = [SamplingConfig(temperature=1.0, max_tokens=4, ignore_eos=True, seed=70 + i) for i in range(5)]
+    from fp8rl_jax.models.qwen3 import Qwen3
+
+    traced, real = [], Qwen3._two_batch_layers
+    monkeypatch.setattr(Qwen3, "_two_batch_layers", lambda self, *a: traced.append(a[0].shape[0]) or real(self, *a))
+    runs = {}
+    for mode in (TwoBatch.OFF, TwoBatch.STREAMS):
+        engine = JaxEngine(cfg, params, dataclasses.replace(F32, two_batch=mode))
+        assert engine.cache.two_batch is mode
+        engine.cache = engine.cache.replace(kernels=Kernels.PALLAS)
+        runs[mode] = engine.generate(prompts, sampling)
+        assert bool(traced) is (mode is TwoBatch.STREAMS)  # the decode program took the two-batch path
+    assert runs[TwoBatch.STREAMS].token_lists() == runs[TwoBatch.OFF].token_lists()
+    np.testing.assert_allclose(runs[TwoBatch.STREAMS].logprobs, runs[TwoBatch.OFF].logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="two_batch = serial cannot run: the model is MoE"):
+        JaxEngine(tiny_qwen3_moe, init_params(tiny_qwen3_moe, jax.random.key(0), jnp.float32),
+                  dataclasses.replace(F32, two_batch=TwoBatch.SERIAL))
+    with pytest.raises(ValueError, match="fuse_projections is off"):
+        JaxEngine(cfg, params, dataclasses.replace(F32, two_batch=TwoBatch.SERIAL, fuse_projections=False))
+    with pytest.raises(ValueError, match="must be a TwoBatch"):
+        dataclasses.replace(F32, two_batch="streams")
+    monkeypatch.setattr(engine_mod.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    with pytest.raises(ValueError, match="needs XLA_FLAGS to hold --xla_gpu_experimental_stream_annotation=true"):
+        engine_mod._check_two_batch(TwoBatch.STREAMS, cfg, None, True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_stream_annotation=true")
+    engine_mod._check_two_batch(TwoBatch.STREAMS, cfg, None, True)
+    engine_mod._check_two_batch(TwoBatch.SERIAL, cfg, None, True)  # one stream: no flag needed

@@ -270,6 +270,10 @@ def test_profile_decode_tiny(tmp_path, one_layer_presets):
                      "--modes", "all", "--dtype", "float32", "--no-trace"])["runs"][0]
     assert pre["program"] == "prefill" and pre["prompts"] == 3 and len(pre["call_s"]) == 2
     assert pre["prompt_tokens_per_s"] == pytest.approx(3 * 24 / pre["call_ms"] * 1e3)
+    # --two-batch reaches the engine's decode step, which here (reference attention on the CPU) says it cannot run
+    with pytest.raises(ValueError, match="two-batch decode .* cannot run: it needs the fused q/k/v decode kernel"):
+        prof.main(["--preset", "tiny_qwen3", "--batch", "4", "--context", "40", "--steps", "4", "--repeats", "1",
+                   "--modes", "none", "--dtype", "float32", "--two-batch", "serial", "--no-trace"])
 
 
 def test_tune_cublaslt_algos_candidates(monkeypatch):

@@ -268,3 +268,66 @@ def test_model_decode_step_takes_the_kernel(monkeypatch):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for a, b in zip(c1.k_pages + c1.v_pages, c2.k_pages + c2.v_pages, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("mode", ["serial", "streams"])
+def test_two_batch_decode_equals_the_one_batch_step(mode):
+    """`TwoBatch`: a decode step run in two halves of rows in the two-batch order (on one stream, or with XLA's GPU
+    stream annotations, which the CPU ignores but compiles) gives the one-batch step's logits and pools (float32,
+    odd row count: halves of 2 and 3, one row not advancing): bit for bit on the CPU, within float32 rounding on a
+    GPU (where the streams are real under XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true). The pools are
+    written in place (donated: no copy in the program's temporaries beyond the one-batch program's); a prefill chunk
+    runs as one batch; unsupported settings say why."""
+    import dataclasses
+    import functools
+
+    import jax
+
+    from configs.models import tiny_qwen3, tiny_qwen3_moe
+    from fp8rl_jax.models import PagedKVCache, bind, forward, init_params
+    from fp8rl_jax.models.fusion import fuse_params
+    from fp8rl_jax.models.kv_cache import TwoBatch
+    from fp8rl_jax.models.policy import DensePolicy
+    from fp8rl_jax.quant.policy import Kernels
+
+    cfg = dataclasses.replace(tiny_qwen3, num_layers=3)
+    params = fuse_params(init_params(cfg, jax.random.key(int(np.random.default_rng().integers(1 << 30))), F32))
+    B, ps, max_pages, pages = 5, 4, 4, 1024  # a pool (512 KB a layer) larger than the step's other temporaries
+    cache = PagedKVCache.init(cfg.num_layers, pages, ps, cfg.num_kv_heads, cfg.head_dim, B, max_pages, F32,
+                              kernels=Kernels.PALLAS)
+    cache = cache.replace(page_table=jnp.asarray(np.random.default_rng(0).permutation(pages)[:B * max_pages].reshape(
+        B, max_pages), jnp.int32))
+    prompt = jax.random.randint(jax.random.key(3), (B, 5), 0, cfg.vocab_size)
+    f32 = DensePolicy("float32")  # float32 compute: the programs' roundings agree
+    run = lambda c, t, n: forward(params, t, config=cfg, policy=f32, cache=c, num_new=n)  # noqa: E731
+    _, cache = jax.jit(run)(cache, prompt, jnp.array([5, 3, 4, 2, 5], jnp.int32))
+    step = jax.random.randint(jax.random.key(4), (B, 1), 0, cfg.vocab_size)
+    num_new = jnp.array([1, 1, 0, 1, 1], jnp.int32)
+    want, c1 = jax.jit(run)(cache, step, num_new)
+    two = cache.replace(two_batch=TwoBatch(mode))
+    program = jax.jit(run, donate_argnums=0).lower(two, step, num_new).compile()
+    one_batch = jax.jit(run, donate_argnums=0).lower(cache, step, num_new).compile()
+    # no pool copied beyond what the one-batch step's program holds (interpret-mode kernels copy their pools there)
+    extra = program.memory_analysis().temp_size_in_bytes - one_batch.memory_analysis().temp_size_in_bytes
+    assert extra < cache.k_pages[0].nbytes, extra
+    assert ("_xla_stream_annotation" in program.as_text()) is (mode == "streams")
+    got, c2 = jax.jit(run)(two, step, num_new)
+    # bit for bit on the CPU; a GPU's GEMMs may pick other algorithms for half the rows (float32: ~1e-6)
+    same = (np.testing.assert_array_equal if jax.default_backend() == "cpu"
+            else functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-5))
+    same(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(c2.lengths), np.asarray(c1.lengths))
+    for a, b in zip(c1.k_pages + c1.v_pages, c2.k_pages + c2.v_pages, strict=True):
+        same(np.asarray(a), np.asarray(b))
+    # a prefill chunk runs as one batch (the same program as without the setting)
+    chunk = jax.random.randint(jax.random.key(5), (B, 2), 0, cfg.vocab_size)
+    np.testing.assert_array_equal(np.asarray(jax.jit(run)(two, chunk, num_new * 2)[0]),
+                                  np.asarray(jax.jit(run)(cache, chunk, num_new * 2)[0]))
+    # MoE / reference kernels: the model says why not, and a step raises
+    with pytest.raises(ValueError, match="two-batch decode .* cannot run: it needs the fused q/k/v decode kernel"):
+        run(two.replace(kernels=Kernels.REFERENCE), step, num_new)
+    model = bind(fuse_params(init_params(tiny_qwen3_moe, jax.random.key(0), F32)), tiny_qwen3_moe)
+    moe = PagedKVCache.init(1, 8, ps, tiny_qwen3_moe.num_kv_heads, tiny_qwen3_moe.head_dim, 2, 4, F32,
+                            kernels=Kernels.PALLAS)
+    assert "MoE" in model.two_batch_ready(moe, 1)
+    assert "fused q/k/v decode kernel" in bind(params, cfg).two_batch_ready(cache.replace(kernels=Kernels.REFERENCE), 1)
