@@ -536,10 +536,10 @@ def test_swap_space_is_pinned_once_with_a_clear_error(monkeypatch):
 
 
 def test_two_batch_decode_generates_the_same_tokens(monkeypatch):
-    """``EngineConfig.two_batch``: decode steps in two halves of rows (on one stream, or annotated for two, which
-    the CPU compiles and ignores) generate the one-batch engine's tokens and logprobs, through continuous batching
-    (5 prompts, 3 slots: odd halves, slots refilled). The decode steps run the Pallas kernels here (interpret mode),
-    which the two-batch path needs; settings it cannot run are refused with the reason."""
+    """``EngineConfig.two_batch``: decode steps in two halves of rows (here on one stream; the streams setting runs
+    the same schedule, checked in test_kv_write) generate the one-batch engine's tokens and logprobs, through
+    continuous batching (5 prompts, 3 slots: odd halves, slots refilled). The decode steps run the Pallas kernels
+    here (interpret mode), which the two-batch path needs; settings it cannot run are refused with the reason."""
     from fp8rl_jax.models import TwoBatch
     from fp8rl_jax.quant.policy import Kernels
     from fp8rl_jax.rollout import engine as engine_mod
@@ -553,14 +553,14 @@ def test_two_batch_decode_generates_the_same_tokens(monkeypatch):
     traced, real = [], Qwen3._two_batch_layers
     monkeypatch.setattr(Qwen3, "_two_batch_layers", lambda self, *a: traced.append(a[0].shape[0]) or real(self, *a))
     runs = {}
-    for mode in (TwoBatch.OFF, TwoBatch.STREAMS):
+    for mode in (TwoBatch.OFF, TwoBatch.SERIAL):  # (streams: the kv_write test's step, the same schedule)
         engine = JaxEngine(cfg, params, dataclasses.replace(F32, two_batch=mode))
         assert engine.cache.two_batch is mode
         engine.cache = engine.cache.replace(kernels=Kernels.PALLAS)
         runs[mode] = engine.generate(prompts, sampling)
-        assert bool(traced) is (mode is TwoBatch.STREAMS)  # the decode program took the two-batch path
-    assert runs[TwoBatch.STREAMS].token_lists() == runs[TwoBatch.OFF].token_lists()
-    np.testing.assert_allclose(runs[TwoBatch.STREAMS].logprobs, runs[TwoBatch.OFF].logprobs, atol=1e-5)
+        assert bool(traced) is (mode is TwoBatch.SERIAL)  # the decode program took the two-batch path
+    assert runs[TwoBatch.SERIAL].token_lists() == runs[TwoBatch.OFF].token_lists()
+    np.testing.assert_allclose(runs[TwoBatch.SERIAL].logprobs, runs[TwoBatch.OFF].logprobs, atol=1e-5)
     with pytest.raises(ValueError, match="two_batch = serial cannot run: the model is MoE"):
         JaxEngine(tiny_qwen3_moe, init_params(tiny_qwen3_moe, jax.random.key(0), jnp.float32),
                   dataclasses.replace(F32, two_batch=TwoBatch.SERIAL))
