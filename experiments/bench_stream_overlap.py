@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream-flag", action="store_true",
                    help=f"leave XLA_FLAGS as they are (without {STREAM_FLAG} the annotation is ignored)")
     p.add_argument("--programs", nargs="+", default=None,
-                   help="a subset of full halves_serial halves_streams attention gemms gemms_half")
+                   help="a subset of " + " ".join(PROGRAMS))
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     return p
@@ -84,14 +84,13 @@ if __name__ == "__main__" and "--no-stream-flag" not in sys.argv:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax._src import core as jax_core  # noqa: E402  (MemorySpace: compute_on's out_memory_spaces)
-from jax.experimental.compute_on import compute_on  # noqa: E402
 from jax.experimental.xla_metadata import set_xla_metadata  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.environment import GpuMonitor, run_environment  # noqa: E402
+from fp8rl_jax.models.qwen3 import on_gpu_stream  # noqa: E402
 from fp8rl_jax.quant.policy import GemmBackend, W8A8Policy, quantize_weight  # noqa: E402
 from pallas_kernels import kv_write as kv_write_kernel  # noqa: E402
 from pallas_kernels import paged_attention as paged_kernel  # noqa: E402
@@ -99,20 +98,6 @@ from pallas_kernels.common import trace_kernels  # noqa: E402
 
 PROGRAMS = ("full", "halves_serial", "halves_streams", "halves_streams_write_on_main", "attention", "gemms",
             "gemms_half")
-
-
-def on_stream(stream: int | None, fn):
-    """``fn`` as a call XLA may run on GPU stream ``stream`` (`jax.experimental.compute_on`), or ``fn`` itself when
-    ``stream`` is None."""
-    if stream is None:
-        return fn
-
-    def call(*args):
-        outs = jax.eval_shape(fn, *args)
-        spaces = jax.tree.map(lambda _: jax_core.MemorySpace.Device, outs)
-        return compute_on(compute_type=f"gpu_stream:{stream}", out_memory_spaces=spaces)(jax.jit(fn))(*args)
-
-    return call
 
 
 def gemm_block(policy: W8A8Policy, w: dict, x: jax.Array, o: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -187,14 +172,14 @@ def programs(args, cfg, policy: W8A8Policy):
         main stream when ``write_on_main``: then no pool update crosses a stream boundary) and the GEMMs on
         stream 2."""
         if write_on_main:
-            read_1 = on_stream(1, read)
+            read_1 = on_gpu_stream(1, read)
 
             def att(qkv, pool, table, lengths, page, slot):
                 pool = write(qkv, pool, page, slot)
                 return read_1(qkv, pool, table, lengths), pool
         else:
-            att = on_stream(1 if streams else None, attend)
-        gem = on_stream(2 if streams else None, lambda w, x, o: gemm_block(policy, w, x, o))
+            att = on_gpu_stream(1 if streams else None, attend)
+        gem = on_gpu_stream(2 if streams else None, lambda w, x, o: gemm_block(policy, w, x, o))
 
         def run(qkv, x, pool, table, lengths, sets, page, slot):
             (qa, qb), (xa, xb) = (qkv[:R], qkv[R:]), (x[:R], x[R:])

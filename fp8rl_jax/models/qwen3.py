@@ -456,14 +456,7 @@ class Qwen3(nnx.Module):
                      lengths=cache.lengths[h]) for h in halves]
 
         def on_stream(stream: int, fn):
-            if not streams:
-                return fn
-
-            def call(*args):
-                spaces = jax.tree.map(lambda _: core.MemorySpace.Device, jax.eval_shape(fn, *args))
-                return compute_on(compute_type=f"gpu_stream:{stream}", out_memory_spaces=spaces)(jax.jit(fn))(*args)
-
-            return call
+            return on_gpu_stream(stream if streams else None, fn)
 
         def attention(l: int, y, kp, vp, ks, vs, page_table, lengths, cos, sin, num_new):
             """Layer ``l``'s attention of one half from its q/k/v GEMM output ``y`` [R, 1, (N + 2K) H]: q/k norms,
@@ -540,6 +533,20 @@ class Qwen3(nnx.Module):
         cfg = self.config
         dtype = self.policy.compute_dtype if dtype is None else dtype
         return KVCache.init(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def on_gpu_stream(stream: int | None, fn):
+    """``fn`` as a call XLA may run on GPU stream ``stream`` (`jax.experimental.compute_on`; real with
+    ``--xla_gpu_experimental_stream_annotation=true`` in ``XLA_FLAGS``, ignored by the CPU backend), or ``fn``
+    itself when ``stream`` is None. Its outputs stay in device memory."""
+    if stream is None:
+        return fn
+
+    def call(*args):
+        spaces = jax.tree.map(lambda _: core.MemorySpace.Device, jax.eval_shape(fn, *args))
+        return compute_on(compute_type=f"gpu_stream:{stream}", out_memory_spaces=spaces)(jax.jit(fn))(*args)
+
+    return call
 
 
 def _rows_at(h: jax.Array, logits_at: jax.Array | None) -> jax.Array:
