@@ -101,10 +101,7 @@ def dump_grouped_gemm(captured: list[str], out: Path, configs: list[str], tokens
         assert len(captured) == 1, len(captured)
         name = f"gg_n{n}_k{k}_bm{bm}_bn{bn}_w{w}_s{st}{'_swap' if swap else ''}"
         (out / f"{name}.ttir").write_text(captured[0])
-        splits = min(ks, kb)
-        splits = -(-kb // -(-kb // splits))  # as `_fp8_gemm` grids it: no empty split
-        jobs.append({"name": name, "num_warps": w, "num_stages": st,
-                     "programs": -(-m // bm) * -(-n // bn) * splits})
+        jobs.append({"name": name, "num_warps": w, "num_stages": st})
     return jobs
 
 
@@ -131,10 +128,7 @@ def dump_gemm(captured: list[str], out: Path, configs: list[str], m: int, n: int
         name = (f"gemm_m{m}_n{n}_k{k}_bm{bm}_bn{bn}_w{w}_s{st}_k{ks}{'_swap' if swap else ''}"
                 f"{'_preload' if preload else ''}{'_prefetch' if prefetch else ''}")
         (out / f"{name}.ttir").write_text(captured[0])
-        splits = min(ks, kb)
-        splits = -(-kb // -(-kb // splits))  # as `_fp8_gemm` grids it: no empty split
-        jobs.append({"name": name, "num_warps": w, "num_stages": st,
-                     "programs": -(-m // bm) * -(-n // bn) * splits})
+        jobs.append({"name": name, "num_warps": w, "num_stages": st, "programs": fg.grid_programs(m, n, k, cfg)})
     return jobs
 
 

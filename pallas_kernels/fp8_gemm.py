@@ -82,7 +82,9 @@ class GemmConfig:
         on the wgmma's M side (64 per instruction), decode-sized M on its N side (8-256). Needs ``block_n``
         dividing 128 (a tile's rows of B in one 128-row scale block: one weight scale per K step) or a multiple
         of 128 (one accumulator and one scale per 128-row block, A's tile loaded once a step for all of them:
-        fewer programs re-reading the activations from L2 for the same weight bytes).
+        fewer programs re-reading the activations from L2 for the same weight bytes; H200 session 29: 256-row
+        tiles were 1.03-1.86x slower than the best 64-row tile at every Qwen3-8B decode shape, so none is in
+        `DECODE_CONFIGS`).
       preload_scales: load the program's scales of every K step it runs before its K loop (the steps padded to a
         power of two with zero scales), each step picking its own in registers, where they are otherwise loaded
         per step: those loads do not feed a dot, so Triton's pipeliner leaves them as plain global loads whose
@@ -311,15 +313,25 @@ def _gemm_kernel(a_ref, as_ref, b_ref, bs_ref, o_ref, *, m: int, n: int, k: int,
             ref[...] = out
 
 
+def split_k(k_blocks: int, k_splits: int) -> tuple[int, int]:
+    """``(splits, blocks per split)`` of a GEMM over ``k_blocks`` 128-wide K blocks asked for ``k_splits``: every
+    split runs ``per`` blocks but the last, and none is empty (5 blocks in 4 splits: 3 splits of 2, 2, 1)."""
+    per = pl.cdiv(k_blocks, min(k_splits, k_blocks))
+    return pl.cdiv(k_blocks, per), per
+
+
+def grid_programs(m: int, n: int, k: int, config: GemmConfig) -> int:
+    """The programs `fp8_gemm` launches for ``[M, K] x [N, K]^T`` with ``config``: M tiles x N tiles x K splits."""
+    return pl.cdiv(m, config.block_m) * pl.cdiv(n, config.block_n) * split_k(pl.cdiv(k, BK), config.k_splits)[0]
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "a_scale_t"))
 def _fp8_gemm(a, a_scale, b, b_scale_inv, out_dtype, config: GemmConfig, interpret: bool, a_scale_t: bool = False):
     m, k = a.shape
     n = b.shape[0]
     kb = pl.cdiv(k, BK)
     bm, bn = config.block_m, config.block_n
-    splits = min(config.k_splits, kb)
-    per = pl.cdiv(kb, splits)
-    splits = pl.cdiv(kb, per)  # no empty split
+    splits, per = split_k(kb, config.k_splits)
     preload = preload_steps(config, per)
     kbp = (splits - 1) * per + preload if preload else kb  # scale rows: the last split's preload fits
     as_t = jnp.pad(a_scale if a_scale_t else a_scale.T, ((0, kbp - kb), (0, 0)))  # [kbp, M]

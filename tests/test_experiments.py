@@ -203,6 +203,16 @@ def test_inspect_codegen_dumps_the_dense_gemm_split_k_configs(tmp_path):
     assert names == ["gemm_m64_n256_k512_bm64_bn64_w4_s4_k2", "gemm_m64_n256_k512_bm128_bn64_w4_s3_k4"]
     assert [j["programs"] for j in jobs] == [1 * 4 * 2, 1 * 4 * 4]  # M tiles x N tiles x K splits (4 K blocks)
     assert all("tt.dot" in (tmp_path / f"{n}.ttir").read_text() for n in names)
+    # 5 K blocks asked in 4 splits run 3 splits of 2, 2, 1 blocks (none empty), as the kernel grids them
+    assert insp.main(["--kernel", "gemm", "--phase", "dump", "--out", str(tmp_path), "--gemm-configs", "64,64,4,4,4",
+                      "--gemm-shape", "64", "256", "640"]) == 0
+    assert __import__("json").loads((tmp_path / "jobs.json").read_text())[0]["programs"] == 1 * 4 * 3
+    # --kernel grouped_gemm: its configs dump too (the grouped grid is not counted)
+    gg = tmp_path / "gg"
+    assert insp.main(["--kernel", "grouped_gemm", "--phase", "dump", "--out", str(gg), "--gg-configs", "16,64,4,4",
+                      "--gg-shape", "8", "256", "512"]) == 0
+    [job] = __import__("json").loads((gg / "jobs.json").read_text())
+    assert "programs" not in job and "tt.dot" in (gg / f"{job['name']}.ttir").read_text()
 
 
 def test_bench_decode_gemms_tiny(tmp_path):
