@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from fp8rl_jax.environment import GpuMonitor, enable_compilation_cache, run_environment  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
-from fp8rl_jax.models import Fp8Mode, ModelConfig, TwoBatch, init_params  # noqa: E402
+from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params  # noqa: E402
 from fp8rl_jax.quant.policy import GemmBackend, describe_cublaslt_algos  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig  # noqa: E402
@@ -232,7 +232,6 @@ def run_mode(cfg: BenchConfig, make_params: Callable[[], Any], mode: Fp8Mode, pa
                 "fused_projections": engine.fused,  # q/k/v and gate/up as one GEMM each (EngineConfig.fuse_projections)
                 "fused_cast": engine.config.fused_cast,  # BF16 GEMMs write BF16 (EngineConfig.fused_cast)
                 "sampling_draw": engine.config.sampling_draw.value,  # EngineConfig.sampling_draw
-                "two_batch": engine.config.two_batch.value,  # EngineConfig.two_batch
                 # the decode attention's table and config for this mode's pool dtype (on a GPU)
                 "paged_attention": paged_kernel.describe_config(engine.kv_dtype),
                 "fp8_gemm": cfg.engine.fp8_gemm.describe() if mode.fp8_weights else None,  # Mosaic, cuBLASLt or per shape
@@ -472,9 +471,6 @@ if __name__ == "__main__":
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="the dense FP8 GEMM of the w8a8/all modes (EngineConfig.fp8_gemm): our Mosaic kernel or "
                          "cuBLASLt's block-scaled FP8; auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic")
-    ap.add_argument("--two-batch", choices=[m.value for m in TwoBatch], default=TwoBatch.OFF.value,
-                    help="EngineConfig.two_batch: decode steps' layers in two halves of rows, on one stream or on two "
-                         "(streams: set XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true first)")
     ap.add_argument("--no-overlap-host", action="store_true",
                     help="the synchronous host loop (EngineConfig.overlap_host=False), to measure what overlap saves")
     ap.add_argument("--max-slots", type=int, default=BenchConfig.engine.max_slots)
@@ -529,7 +525,7 @@ if __name__ == "__main__":
                                  fp8_gemm=GemmBackend(a.fp8_gemm), fused_cast=a.fused_cast == "on",
                                  sampling_draw=Draw(a.draw),
                                  decode_buckets=tuple(a.decode_buckets) if a.decode_buckets else (),
-                                 swap_space_gib=a.swap_space_gib, two_batch=TwoBatch(a.two_batch), **sizing)
+                                 swap_space_gib=a.swap_space_gib, **sizing)
     model = PRESETS[a.preset]
     if a.layers:
         model = dataclasses.replace(model, num_layers=a.layers)

@@ -38,12 +38,25 @@ they are from the full-batch program's.
 
 Off the GPU it runs the same programs (Pallas in interpret mode, the FP8 GEMMs through the policy's jnp
 reference; XLA's CPU backend ignores the stream annotation): a check of the programs, not a measurement.
+
+Measured on the H200 (jax 0.11.2, session 30; ``experiments/results/h200_session30_2026-12-04.md``), 128-row
+halves x 2048 keys, 36 layers: ``full`` 15.7-16.3 ms, ``halves_serial`` 20.2-20.8 ms (a GEMM phase at 128 rows
+costs 80% of one at 256: the weights are read twice). The two-stream programs first failed to compile: every
+kernel wrapper's nested jit lowered as a call of its own inside the annotated region, and XLA's stream assignment
+rejects those ("No ExecutionStreamId found for %call-start"); `on_gpu_stream` now inlines them (`inline_jits`).
+Then they compiled and ran, but with no overlap: kernel busy time = span, 50.6 ms with the K/V write on the
+attention's stream (a 2.15 GB pool copy in the temporaries) and 21.2 ms with it on the main stream, and outputs
+that differ from ``halves_serial``'s. So the engine has no two-batch decode (sessions 29-30 built one and removed
+it, measured: the one-stream halves at 0.78-0.79x of the full step, the streams version slower still); this script
+stays to re-check a newer XLA in one call.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -84,13 +97,14 @@ if __name__ == "__main__" and "--no-stream-flag" not in sys.argv:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax._src import core, source_info_util  # noqa: E402  (MemorySpace; jaxpr types and source info for inline_jits)
+from jax.experimental.compute_on import compute_on  # noqa: E402
 from jax.experimental.xla_metadata import set_xla_metadata  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.environment import GpuMonitor, run_environment  # noqa: E402
-from fp8rl_jax.models.qwen3 import on_gpu_stream  # noqa: E402
 from fp8rl_jax.quant.policy import GemmBackend, W8A8Policy, quantize_weight  # noqa: E402
 from pallas_kernels import kv_write as kv_write_kernel  # noqa: E402
 from pallas_kernels import paged_attention as paged_kernel  # noqa: E402
@@ -98,6 +112,84 @@ from pallas_kernels.common import trace_kernels  # noqa: E402
 
 PROGRAMS = ("full", "halves_serial", "halves_streams", "halves_streams_write_on_main", "attention", "gemms",
             "gemms_half")
+
+
+def on_gpu_stream(stream: int | None, fn):
+    """``fn`` as a call XLA may run on GPU stream ``stream`` (`jax.experimental.compute_on`; real with
+    ``--xla_gpu_experimental_stream_annotation=true`` in ``XLA_FLAGS``, ignored by the CPU backend), or ``fn``
+    itself when ``stream`` is None. Its outputs stay in device memory.
+
+    ``fn``'s nested jits (every kernel wrapper is one) are inlined into the annotated call (`inline_jits`): lowered
+    inside a ``compute_on`` region, each would become a call of its own that carries the stream annotation, and
+    XLA 0.11's stream assignment fails on such nested annotated calls ("No ExecutionStreamId found for
+    %call-start", measured on an H200 in session 30)."""
+    if stream is None:
+        return fn
+
+    def call(*args):
+        spaces = jax.tree.map(lambda _: core.MemorySpace.Device, jax.eval_shape(fn, *args))
+        return compute_on(compute_type=f"gpu_stream:{stream}", out_memory_spaces=spaces)(inline_jits(fn))(*args)
+
+    return call
+
+
+def inline_jits(fn):
+    """``fn`` with every nested ``jax.jit`` call (and custom-JVP/VJP rule wrapper) evaluated in place, at any
+    depth, so that a trace of it holds only the primitives those calls run: the same values, no nested call in
+    the lowered program. Forward only (the custom rules' derivatives are not kept): for inference regions such as
+    `on_gpu_stream`'s."""
+
+    def run(jaxpr, consts, args):
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args, strict=True):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            inner = _INLINED_CALLS.get(eqn.primitive.name)
+            if inner is not None:
+                closed = eqn.params[inner]
+                outs = run(closed.jaxpr, closed.consts, ins)
+            else:
+                name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+                with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, core.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    @functools.wraps(fn)
+    def inlined(*args):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = run(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return inlined
+
+
+def nested_stream_calls(stablehlo: str) -> int:
+    """Stream-annotated calls made from inside a stream-annotated call in a lowered program's StableHLO text
+    (``jit(f).lower(...).as_text()``). XLA's GPU stream assignment fails on any ("No ExecutionStreamId found"), so
+    a program with `on_gpu_stream` regions that runs has none (a GPU lowering: interpret-mode kernels lower to
+    calls of their own)."""
+    bodies = {}
+    for chunk in stablehlo.split("func.func ")[1:]:
+        header, _, body = chunk.partition("{")
+        bodies[header.split("(", 1)[0].split()[-1]] = body
+    annotated = re.compile(r"(?<!\w)call (@[\w.$\"<>-]+)\(.*_xla_stream_annotation")
+    regions = {m.group(1) for body in bodies.values() for m in annotated.finditer(body)}
+    return sum(len(annotated.findall(bodies[name])) for name in regions if name in bodies)
+
+
+# primitives whose sub-jaxpr `inline_jits` evaluates in place of the call: name -> its ClosedJaxpr parameter
+_INLINED_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
 
 
 def gemm_block(policy: W8A8Policy, w: dict, x: jax.Array, o: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -275,7 +367,9 @@ def main(argv=None) -> dict:
     outs = {}
     for name, fn in programs(args, cfg, policy).items():
         try:
-            compiled = fn.lower(qkv, x, pool, *operands[2:]).compile()
+            lowered = fn.lower(qkv, x, pool, *operands[2:])
+            nested = nested_stream_calls(lowered.as_text())
+            compiled = lowered.compile()
             hlo = compiled.as_text() or ""
             memory = compiled.memory_analysis()
             row, outs[name], pool = timed(fn, operands, pool, args.repeats,
@@ -289,6 +383,7 @@ def main(argv=None) -> dict:
             continue
         row["async_calls"] = hlo.count("call-start")
         row["stream_annotations"] = hlo.count("_xla_stream_annotation")
+        row["nested_stream_calls"] = nested  # on the GPU XLA rejects a program with any (session 30)
         # a copy of the pool (XLA failing to update it in place across the stream boundary) shows here
         row["temp_gb"] = None if memory is None else memory.temp_size_in_bytes / 1e9
         row["per_layer_ms"] = row["wall_ms"] / args.layers

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.environment import GpuMonitor, run_environment  # noqa: E402
-from fp8rl_jax.models import Fp8Mode, TwoBatch, init_params  # noqa: E402
+from fp8rl_jax.models import Fp8Mode, init_params  # noqa: E402
 from fp8rl_jax.quant.policy import GemmBackend, describe_cublaslt_algos  # noqa: E402
 from fp8rl_jax.rollout import engine as engine_mod  # noqa: E402
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine  # noqa: E402
@@ -186,7 +186,7 @@ def engine_config(args, mode: Fp8Mode, **sizes) -> EngineConfig:
     return EngineConfig(steps_per_call=args.steps, precision=mode, dtype=args.dtype,
                         fuse_projections={"auto": None, "on": True, "off": False}[args.fuse_projections],
                         fp8_gemm=GemmBackend(args.fp8_gemm), fused_cast=args.fused_cast == "on",
-                        sampling_draw=Draw(args.draw), two_batch=TwoBatch(args.two_batch), **sizes)
+                        sampling_draw=Draw(args.draw), **sizes)
 
 
 def run_prefill(args, params, mode: Fp8Mode) -> dict:
@@ -321,9 +321,6 @@ def main(argv=None) -> dict:
                     help="EngineConfig.sampling_draw: how the rows (temperature 1) draw their tokens")
     ap.add_argument("--fp8-gemm", choices=[b.value for b in GemmBackend], default="auto",
                     help="EngineConfig.fp8_gemm: the Mosaic kernel or cuBLASLt (auto: FP8RL_FP8_GEMM, else the measured per-shape table, else mosaic)")
-    ap.add_argument("--two-batch", choices=[m.value for m in TwoBatch], default=TwoBatch.OFF.value,
-                    help="EngineConfig.two_batch: the decode step's layers in two halves of rows, on one stream or on "
-                         "two (streams: set XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true first)")
     ap.add_argument("--lengths", choices=[m.value for m in Lengths], default=Lengths.UNIFORM.value,
                     help="row lengths: uniform in [context / 2, context], or all equal to context (W1's lockstep rows)")
     ap.add_argument("--pages", choices=[m.value for m in PageOrder], default=PageOrder.SHUFFLED.value,

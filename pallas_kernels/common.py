@@ -72,10 +72,12 @@ def enable_fp8_wgmma() -> bool:
 
 
 @contextlib.contextmanager
-def triton_ir_for_h200():
+def triton_ir_for_h200(native_kernels: bool = False):
     """Within: Pallas Triton lowerings (``jit(...).trace(...).lower(lowering_platforms=("cuda",))`` on
     any host) target an H200 (sm_90), and the Triton IR (TTIR text) of each lowered kernel is
-    appended to the yielded list. Private JAX API (jax 0.11): offline codegen inspection and tests."""
+    appended to the yielded list. ``native_kernels``: ``jax.default_backend()`` says "gpu" too, so the
+    kernels' ``interpret=None`` (`resolve_interpret`) and the policies' backend choices trace a whole
+    program as on the GPU (lower it only). Private JAX API (jax 0.11): offline codegen inspection and tests."""
     from unittest import mock
 
     from jax._src.pallas.triton import gpu_info, lowering
@@ -91,7 +93,8 @@ def triton_ir_for_h200():
         return result
 
     with mock.patch.object(reg.gpu_info_lib, "get_gpu_info", lambda *a, **k: info), \
-            mock.patch.object(reg.lowering, "lower_jaxpr_to_triton_module", capture):
+            mock.patch.object(reg.lowering, "lower_jaxpr_to_triton_module", capture), \
+            mock.patch.object(jax, "default_backend", (lambda: "gpu") if native_kernels else jax.default_backend):
         yield captured
 
 

@@ -1,6 +1,6 @@
 """One Qwen3 / Qwen3-MoE model definition shared by the trainer and the generator."""
 
-from fp8rl_jax.models.kv_cache import HeadSharding, KVCache, PagedKVCache, TwoBatch, calibrate_kv_scales
+from fp8rl_jax.models.kv_cache import HeadSharding, KVCache, PagedKVCache, calibrate_kv_scales
 from fp8rl_jax.models.config import ConfigError, ModelConfig
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy, Proj, Site
 from fp8rl_jax.models.qwen3 import (
@@ -25,7 +25,6 @@ __all__ = [
     "Proj",
     "Qwen3",
     "Site",
-    "TwoBatch",
     "abstract_params",
     "bind",
     "calibrate_kv_scales",

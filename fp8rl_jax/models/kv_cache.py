@@ -50,7 +50,6 @@ collective. The jnp reference path needs nothing: XLA's partitioner follows the 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -155,27 +154,6 @@ class HeadSharding:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
 
 
-class TwoBatch(enum.Enum):
-    """How a decode step (T == 1, at least 2 rows) over a `PagedKVCache` runs its layers (``PagedKVCache.two_batch``,
-    static; prefill chunks and one-row steps run as ``OFF``). A dense model in the generator's fused layout on one
-    device only (`Qwen3.two_batch_ready`; otherwise the step raises).
-
-    ``OFF``: all rows through each layer together. ``SERIAL``: the rows in two halves in the two-batch order
-    (per layer: attention of the first half, the second half's GEMMs of its previous layer and its q/k/v, attention
-    of the second half, the first half's o_proj, MLP and next q/k/v), on one stream: the A/B baseline.
-    ``STREAMS``: that order with each half's attention (K/V write + paged attention) on GPU stream 1 and the GEMM
-    phases on stream 2 (`jax.experimental.compute_on`), each overlapping pair in one XLA scheduling group, so one
-    half's HBM-bound attention can run under the other half's tensor-core-bound GEMMs. It needs
-    ``--xla_gpu_experimental_stream_annotation=true`` in ``XLA_FLAGS`` before jax starts (without it XLA runs the
-    calls on one stream: SERIAL's schedule); XLA's CPU backend ignores the annotation. Same ops per row in every
-    mode: the outputs agree up to the GEMMs' row-count-dependent rounding (`experiments/bench_stream_overlap.py`
-    measures the idea on the H200)."""
-
-    OFF = "off"
-    SERIAL = "serial"
-    STREAMS = "streams"
-
-
 @struct.dataclass
 class PagedKVCache:
     """Paged KV cache, BF16 or FP8 (E4M3 with per-layer scales).
@@ -192,7 +170,6 @@ class PagedKVCache:
         note); None means ``Kernels.AUTO`` (``fp8rl_jax.quant.policy`` imports the models, so the
         enum is resolved when used, not imported here).
       heads: static `HeadSharding` of the pools under tensor parallelism (module note), or None.
-      two_batch: static `TwoBatch`, how a decode step runs its layers (None: ``OFF``).
     """
 
     k_pages: tuple[jax.Array, ...]
@@ -203,7 +180,6 @@ class PagedKVCache:
     lengths: jax.Array
     kernels: Kernels | None = struct.field(pytree_node=False, default=None)
     heads: HeadSharding | None = struct.field(pytree_node=False, default=None)
-    two_batch: TwoBatch | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def init(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,

@@ -33,12 +33,9 @@ import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax._src import core  # MemorySpace: compute_on's out_memory_spaces
-from jax.experimental.compute_on import compute_on
-from jax.experimental.xla_metadata import set_xla_metadata
 
 from fp8rl_jax.models.attention import apply_rope, causal_mask, dot_attention, rope_cos_sin
-from fp8rl_jax.models.kv_cache import KVCache, PagedKVCache, TwoBatch
+from fp8rl_jax.models.kv_cache import KVCache, PagedKVCache
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.fusion import FusedWeight, fused_ragged_dot, split_fused
 from fp8rl_jax.models.policy import DensePolicy, MatmulPolicy, Proj, Site, matmul_precision, rms_norm
@@ -393,11 +390,6 @@ class Qwen3(nnx.Module):
         else:
             token_mask = jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]
         x = self.embed_tokens(tokens, self.policy.compute_dtype)
-        if isinstance(cache, PagedKVCache) and cache.two_batch not in (None, TwoBatch.OFF) and T == 1 and B >= 2:
-            if routing is not None:
-                raise ValueError("two-batch decode (PagedKVCache.two_batch) does not replay MoE routing")
-            x, cache = self._two_batch_layers(x, cos, sin, cache, num_new, cache.two_batch is TwoBatch.STREAMS)
-            return self.norm(x), cache.advance(num_new), None
         chosen, j = [], 0
         y = None  # the last layer's output is x + y (DecoderLayer.deferred); remat layers add it themselves
         for layer in self.layers:
@@ -416,107 +408,6 @@ class Qwen3(nnx.Module):
         x = x if y is None else x + y
         return self.norm(x), cache, (jnp.stack(chosen, axis=2) if chosen else None)
 
-    def two_batch_ready(self, cache: PagedKVCache, T: int) -> str | None:
-        """None where a decode step over ``cache`` can run in two halves (`_two_batch_layers`), else why not."""
-        cfg = self.config
-        if T != 1:
-            return f"it is for decode steps (T == 1), got T = {T}"
-        if cfg.num_experts:
-            return "it runs dense MLP layers only (the model is MoE)"
-        if cache.heads is not None:
-            return "it runs on one device (the cache is head-sharded)"
-        if not cache.qkv_kernel(1, cfg.num_heads, cfg.head_dim):
-            return "it needs the fused q/k/v decode kernel (PagedKVCache.qkv_kernel)"
-        for layer in self.layers:
-            if not (isinstance(layer.self_attn.q_proj.weight.get_value(), FusedWeight)
-                    and isinstance(layer.mlp.gate_proj.weight.get_value(), FusedWeight)):
-                return "it needs the generator's fused q/k/v and gate/up weights (fusion.py)"
-        return None
-
-    def _two_batch_layers(self, x, cos, sin, cache: PagedKVCache, num_new, streams: bool):
-        """The decoder layers of a decode step over ``x`` [B, 1, D] in two halves of rows, A (the first ``B // 2``)
-        and B, in the two-batch order (`TwoBatch`): per layer, A's attention with B's GEMMs (its previous layer's
-        o_proj and MLP, then this layer's add + norm + q/k/v), then B's attention with A's GEMMs (o_proj, MLP, the
-        next layer's q/k/v). With ``streams`` each attention is a call on GPU stream 1 and each GEMM phase one on
-        stream 2, a pair per XLA scheduling group. Each half's attention reads and writes only its rows' pages of
-        the layer's pool, and every pool update stays on the attention's stream, in program order. Returns the
-        last layer's output [B, 1, D] (before the final norm) and the cache with its pools written."""
-        why = self.two_batch_ready(cache, x.shape[1])
-        if why is not None:
-            raise ValueError(f"two-batch decode (PagedKVCache.two_batch) cannot run: {why}")
-        B = x.shape[0]
-        if B < 2:
-            raise ValueError(f"two-batch decode needs at least 2 rows, got {B}")
-        R = B // 2
-        cfg, L = self.config, len(self.layers)
-        N, H = cfg.num_heads, cfg.head_dim
-        halves = (slice(0, R), slice(R, B))
-        num_new = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), (B,))
-        rows = [dict(cos=cos[h], sin=sin[h], num_new=num_new[h], page_table=cache.page_table[h],
-                     lengths=cache.lengths[h]) for h in halves]
-
-        def on_stream(stream: int, fn):
-            return on_gpu_stream(stream if streams else None, fn)
-
-        def attention(l: int, y, kp, vp, ks, vs, page_table, lengths, cos, sin, num_new):
-            """Layer ``l``'s attention of one half from its q/k/v GEMM output ``y`` [R, 1, (N + 2K) H]: q/k norms,
-            RoPE and the K/V write in one kernel, then the paged decode kernel; ``(out [R, 1, N H], kp, vp)``."""
-            att = self.layers[l].self_attn
-            one = PagedKVCache(k_pages=(kp,), v_pages=(vp,), k_scale=ks[None], v_scale=vs[None],
-                               page_table=page_table, lengths=lengths, kernels=cache.kernels)
-            out, one = one.attend_qkv(0, y, att.q_norm.weight[...], att.k_norm.weight[...],
-                                      (att.q_norm.eps, att.k_norm.eps), cos, sin, num_new, N)
-            return out.reshape(y.shape[0], 1, N * H), one.k_pages[0], one.v_pages[0]
-
-        def qkv(l, x, residual):
-            """Layer ``l``'s add + norm + fused q/k/v GEMM: ``(h, y)``, h the layer's residual stream."""
-            layer = self.layers[l]
-            att = layer.self_attn
-            return att.q_proj.policy.norm_dot(x, layer.input_layernorm.weight[...], layer.input_layernorm.eps,
-                                              att.q_proj.weight.get_value().w, att.q_proj.site, residual)
-
-        def finish(l, h, out):
-            """Layer ``l``'s o_proj and MLP after its attention output: ``(x, y)``, its output being x + y."""
-            layer = self.layers[l]
-            return layer.mlp.norm_call(h, layer.post_attention_layernorm, layer.self_attn.o_proj(out))
-
-        def gemms(l_done: int | None, l_next: int | None, h, out, x_y):
-            """One half's GEMM phase: layer ``l_done``'s o_proj + MLP (or, without one, the layer input ``x_y``) and
-            layer ``l_next``'s add + norm + q/k/v (when not None); ``(h, y)`` of the q/k/v, or the MLP's ``(x, y)``."""
-            x, y = x_y if l_done is None else finish(l_done, h, out)
-            return (x, y) if l_next is None else qkv(l_next, x, y)
-
-        def att_call(l, *args):  # the layer indices are static: bound before the call is traced
-            return on_stream(1, functools.partial(attention, l))(*args)
-
-        def gem_call(l_done, l_next, *args):
-            return on_stream(2, functools.partial(gemms, l_done, l_next))(*args)
-
-        kps, vps = list(cache.k_pages), list(cache.v_pages)
-        state = [None, None]  # per half: (h, y) after its q/k/v: h the residual stream, y the q/k/v output
-        outs = [None, None]
-        xa, xb = x[halves[0]], x[halves[1]]
-        state[0] = qkv(0, xa, None)
-        for l in range(L):
-            for me, other in ((0, 1), (1, 0)):
-                with set_xla_metadata(_scheduling_group_id=str(2 * l + me)):
-                    y, r = state[me][1], rows[me]
-                    outs[me], kps[l], vps[l] = att_call(l, y, kps[l], vps[l], cache.k_scale[l], cache.v_scale[l],
-                                                        r["page_table"], r["lengths"], r["cos"], r["sin"],
-                                                        r["num_new"])
-                    # the other half's GEMMs: half B before its first attention has only layer 0's q/k/v to run
-                    if other == 1:
-                        if l == 0:
-                            state[1] = gem_call(None, 0, None, None, (xb, None))
-                        else:
-                            state[1] = gem_call(l - 1, l, state[1][0], outs[1], None)
-                    else:
-                        state[0] = gem_call(l, l + 1 if l + 1 < L else None, state[0][0], outs[0], None)
-        xb_out, yb = gem_call(L - 1, None, state[1][0], outs[1], None)
-        xa_out, ya = state[0]
-        x = jnp.concatenate([xa_out + ya, xb_out + yb])
-        return x, cache.replace(k_pages=tuple(kps), v_pages=tuple(vps))
-
     def logits(self, h: jax.Array) -> jax.Array:
         """float32 logits [..., V] from final hidden states."""
         if self.config.tie_word_embeddings:
@@ -533,20 +424,6 @@ class Qwen3(nnx.Module):
         cfg = self.config
         dtype = self.policy.compute_dtype if dtype is None else dtype
         return KVCache.init(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
-
-
-def on_gpu_stream(stream: int | None, fn):
-    """``fn`` as a call XLA may run on GPU stream ``stream`` (`jax.experimental.compute_on`; real with
-    ``--xla_gpu_experimental_stream_annotation=true`` in ``XLA_FLAGS``, ignored by the CPU backend), or ``fn``
-    itself when ``stream`` is None. Its outputs stay in device memory."""
-    if stream is None:
-        return fn
-
-    def call(*args):
-        spaces = jax.tree.map(lambda _: core.MemorySpace.Device, jax.eval_shape(fn, *args))
-        return compute_on(compute_type=f"gpu_stream:{stream}", out_memory_spaces=spaces)(jax.jit(fn))(*args)
-
-    return call
 
 
 def _rows_at(h: jax.Array, logits_at: jax.Array | None) -> jax.Array:

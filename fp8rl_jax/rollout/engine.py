@@ -85,7 +85,7 @@ from flax import nnx
 
 from fp8rl_jax.models import DensePolicy, Fp8Mode, HeadSharding, ModelConfig, PagedKVCache, abstract_params, forward
 from fp8rl_jax.models.fusion import concat_parts, fuse_params
-from fp8rl_jax.models.kv_cache import TwoBatch, calibrate_kv_scales_jit, calibration_batch
+from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit, calibration_batch
 from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
 from fp8rl_jax.models.policy import Kernels
 from fp8rl_jax.quant.policy import (GemmBackend, LayerPolicy, W8A8Policy, WeightSharding, quantize_params,
@@ -187,13 +187,6 @@ class EngineConfig:
         CDF (default: one uniform per row) or Gumbel-max (V threefry numbers per row): the same
         distribution, other tokens for a seed. H200, Qwen3-8B kv decode at 256 rows (session 19, one
         machine): 16.30 ms per step against Gumbel's 16.52. Greedy rows and the logprobs do not depend on it.
-      two_batch: how a decode step runs its layers (`fp8rl_jax.models.kv_cache.TwoBatch`): all rows together
-        (``OFF``, default), or in two halves of rows in the two-batch order, on one stream (``SERIAL``) or with one
-        half's attention on a second GPU stream under the other half's GEMMs (``STREAMS``; needs
-        ``--xla_gpu_experimental_stream_annotation=true`` in ``XLA_FLAGS`` before jax starts). Dense models in
-        the fused layout on one device. Why: at W1's 256 rows mode all's step runs its FP8 GEMMs (3.9 ms,
-        compute-bound) after its paged attention (10.1 ms, HBM-bound); untimed end to end
-        (`experiments/bench_stream_overlap.py` measures the idea first).
     """
 
     max_slots: int = 32
@@ -222,7 +215,6 @@ class EngineConfig:
     sampling_draw: Draw = Draw.INVERSE_CDF
     decode_buckets: tuple[int, ...] = ()
     swap_space_gib: float = 0.0
-    two_batch: TwoBatch = TwoBatch.OFF
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
@@ -236,8 +228,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.precision must be an Fp8Mode, got {self.precision!r}")
         if not isinstance(self.fp8_gemm, GemmBackend):
             raise ValueError(f"EngineConfig.fp8_gemm must be a GemmBackend, got {self.fp8_gemm!r}")
-        if not isinstance(self.two_batch, TwoBatch):
-            raise ValueError(f"EngineConfig.two_batch must be a TwoBatch, got {self.two_batch!r}")
         if not isinstance(self.sampling_draw, Draw):
             raise ValueError(f"EngineConfig.sampling_draw must be a Draw, got {self.sampling_draw!r}")
         if not isinstance(self.kv_calibration, KvCalibration):
@@ -332,8 +322,6 @@ class JaxEngine:
         if self.fused and mesh is not None:
             raise ValueError("EngineConfig.fuse_projections is for one device: tensor parallelism splits q/k/v by "
                              "heads, not their concatenation")
-        if config.two_batch is not TwoBatch.OFF:
-            _check_two_batch(config.two_batch, model_config, mesh, self.fused)
         # the trainer's params -> the generator's layout: FP8 quantization and/or fusion (None: as given)
         self._prepare = _prepare_fn(model_config, block, fp8, self.fused,
                                     experts=fp8 or config.fuse_projections is True)
@@ -516,7 +504,7 @@ class JaxEngine:
                                   k_scale=self._put(cache.k_scale), v_scale=self._put(cache.v_scale))
         if self._slept["k_scale"] is not None:
             cache = cache.replace(k_scale=self._slept["k_scale"], v_scale=self._slept["v_scale"])
-        self.cache = cache.replace(two_batch=cfg.two_batch)
+        self.cache = cache
         self._slept = dict(kernels=None, k_scale=None, v_scale=None)
 
     def set_kv_scales(self, k_scale: Any, v_scale: Any) -> None:
@@ -1146,21 +1134,6 @@ def _finish_code(tok, stops, remaining, lengths, max_seq_len: int):
     """1 stop token, 2 max_tokens reached, 3 no room for another token, else 0."""
     is_stop = jnp.any(tok[:, None] == stops, axis=1)
     return jnp.where(is_stop, 1, jnp.where(remaining <= 1, 2, jnp.where(lengths + 1 >= max_seq_len, 3, 0)))
-
-
-def _check_two_batch(mode: TwoBatch, model_config: ModelConfig, mesh, fused: bool) -> None:
-    """Raises where `EngineConfig.two_batch` cannot run (`TwoBatch`'s conditions), naming the setting."""
-    why = ("the model is MoE (dense MLP layers only)" if model_config.num_experts
-           else "tensor parallelism (one device only)" if mesh is not None
-           else "fuse_projections is off (it runs on the fused q/k/v and gate/up layout)" if not fused else None)
-    if why is not None:
-        raise ValueError(f"EngineConfig.two_batch = {mode.value} cannot run: {why}")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if (mode is TwoBatch.STREAMS and jax.default_backend() == "gpu"
-            and "xla_gpu_experimental_stream_annotation=true" not in flags):
-        raise ValueError("EngineConfig.two_batch = streams needs XLA_FLAGS to hold "
-                         "--xla_gpu_experimental_stream_annotation=true before jax starts (XLA runs the annotated "
-                         "calls on one stream without it); use two_batch = serial for the one-stream schedule")
 
 
 def _forward(params, tokens, *, model_config, policy, cache, num_new, record_routing, logits_at=None):
