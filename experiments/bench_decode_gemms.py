@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.models.policy import DensePolicy  # noqa: E402
-from fp8rl_jax.quant.fp8 import codes_to_float32, quantize_activations  # noqa: E402
+from fp8rl_jax.numerics.fp8 import codes_to_float32, quantize_activations  # noqa: E402
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_weight  # noqa: E402
 from pallas_kernels import fp8_gemm as triton_gemm  # noqa: E402
 from pallas_kernels.common import device_kind, m_bucket, merged_tuning, replay_gpu_ms, write_results  # noqa: E402

@@ -44,7 +44,7 @@ from bench_train import BenchConfig, _batch  # noqa: E402
 from configs.models import PRESETS  # noqa: E402
 from fp8rl_jax.environment import run_environment  # noqa: E402
 from fp8rl_jax.models import DensePolicy, init_params  # noqa: E402
-from fp8rl_jax.quant.fp8 import Fp8Format  # noqa: E402
+from fp8rl_jax.numerics.fp8 import Fp8Format  # noqa: E402
 from fp8rl_jax.quant.policy import FP8_PROJS, LayerPolicy  # noqa: E402
 from fp8rl_jax.quant.training import Fp8TrainPolicy, Fp8TrainRecipe  # noqa: E402
 from fp8rl_jax.rl.trainer import ComputeDtype, TrainerConfig, compute_grads, trainer_logprobs  # noqa: E402

@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp8rl_jax.models.policy import rms_norm
-from fp8rl_jax.quant.fp8 import E4M3_MAX, quantize_activations, quantize_activations_t
+from fp8rl_jax.numerics.fp8 import E4M3_MAX, quantize_activations, quantize_activations_t
 from pallas_kernels.common import resolve_interpret
 from pallas_kernels.fp8_quant import _ieee_div
 

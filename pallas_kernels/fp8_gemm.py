@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from fp8rl_jax.quant.fp8 import codes_to_float32
+from fp8rl_jax.numerics.fp8 import codes_to_float32
 from pallas_kernels.common import enable_fp8_wgmma, median_ms, resolve_interpret, write_results
 
 enable_fp8_wgmma()  # FP8 dots on wgmma, not the float16 mma.sync fallback (see its note)
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8_gemm benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); nothing to do.")
         return 0
 
-    from fp8rl_jax.quant import fp8 as fp8_ref
+    from fp8rl_jax.numerics import fp8 as fp8_ref
 
     bf16_dot = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16))
     key = jax.random.key(0)

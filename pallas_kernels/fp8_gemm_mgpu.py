@@ -301,7 +301,7 @@ def fit_shared_memory(config: MgpuGemmConfig, out_dtype) -> MgpuGemmConfig:
 
 # Fewest K blocks dispatchers send here. Session 3 saw one K = 256 input 3.7e-2 off and raised this
 # to 4; session 4 traced that to the jitted *reference* on XLA:GPU, which had dropped its FP8
-# rounding (`fp8rl_jax.quant.fp8.codes_to_float32`), not to this kernel: natively it is 1.3e-4 off
+# rounding (`fp8rl_jax.numerics.fp8.codes_to_float32`), not to this kernel: natively it is 1.3e-4 off
 # float64 at K = 256 and at K = 512 alike (Hopper's FP8 wgmma accumulation within a K block;
 # experiments/device/train_k256_diag.py).
 MIN_K_BLOCKS = 1
@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8_gemm_mgpu benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); nothing to do.")
         return 0
 
-    from fp8rl_jax.quant import fp8 as fp8_ref
+    from fp8rl_jax.numerics import fp8 as fp8_ref
     from pallas_kernels.fp8_gemm import fp8_gemm
 
     key = jax.random.key(0)

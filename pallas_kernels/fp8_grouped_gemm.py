@@ -655,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
               "nothing to do.")
         return 0
 
-    from fp8rl_jax.quant import fp8 as fp8_ref
+    from fp8rl_jax.numerics import fp8 as fp8_ref
     from pallas_kernels import fp8_gemm as gemm_kernel
 
     t_start = time.perf_counter()

@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import median_ms, resolve_interpret
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.quant import fp8 as fp8_ref
+from fp8rl_jax.numerics import fp8 as fp8_ref
 
 QBLOCK = 128  # quantization block edge (rows and columns)
 E4M3_MAX = fp8_ref.E4M3_MAX

@@ -15,7 +15,7 @@ from configs.models import tiny_qwen3
 from fp8rl_jax.models import forward, init_params
 from fp8rl_jax.models.fusion import fuse_params
 from fp8rl_jax.models.policy import DensePolicy, Kernels, MatmulPolicy, Proj, Site, rms_norm
-from fp8rl_jax.quant.fp8 import codes_to_float32, quantize_activations, quantize_activations_t
+from fp8rl_jax.numerics.fp8 import codes_to_float32, quantize_activations, quantize_activations_t
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_params, quantize_weight
 from pallas_kernels import act_quant as aq
 from pallas_kernels.common import triton_ir_for_h200

@@ -20,7 +20,7 @@ import pytest
 
 from configs.models import tiny_qwen3_moe
 from fp8rl_jax.models import Proj, Site, forward, init_params
-from fp8rl_jax.quant import fp8
+from fp8rl_jax.numerics import fp8
 from fp8rl_jax.quant.policy import Kernels, LayerPolicy, W8A8Policy, quantize_params
 from pallas_kernels import fp8_grouped_gemm as gg
 from pallas_kernels.common import triton_ir_for_h200

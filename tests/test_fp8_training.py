@@ -1,6 +1,6 @@
 """FP8 training (`fp8rl_jax.quant.training`): the three GEMMs of every FP8 linear, and the model.
 
-References are written here in NumPy: the same quantize steps as `fp8rl_jax.quant.fp8` (float32
+References are written here in NumPy: the same quantize steps as `fp8rl_jax.numerics.fp8` (float32
 ``amax / fmt_max``, multiply by the float32 reciprocal, clip, round-to-nearest-even cast with
 ml_dtypes), then the GEMMs in float64 on the dequantized operands. Nothing but the function under
 test is imported from the module, so a wrong group axis, group length, format or a reused scale

@@ -15,7 +15,7 @@ from flax import nnx
 from configs.models import tiny_qwen3, tiny_qwen3_moe
 from fp8rl_jax.models import DensePolicy, Fp8Mode, forward, init_params
 from fp8rl_jax.models.fusion import FusedWeight, fuse_params, is_fused
-from fp8rl_jax.quant.fp8 import QuantizedWeight
+from fp8rl_jax.numerics.fp8 import QuantizedWeight
 from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, quantize_params, quantizing_concat
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
 from fp8rl_jax.rollout.sampling import SamplingConfig

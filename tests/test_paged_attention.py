@@ -20,7 +20,7 @@ import pytest
 
 from fp8rl_jax.models import PagedKVCache
 from fp8rl_jax.models.attention import dot_attention
-from fp8rl_jax.quant.fp8 import saturating_cast
+from fp8rl_jax.numerics.fp8 import saturating_cast
 from fp8rl_jax.quant.policy import Kernels
 from pallas_kernels import paged_attention as pa
 

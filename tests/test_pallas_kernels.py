@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8rl_jax.quant import fp8
+from fp8rl_jax.numerics import fp8
 from pallas_kernels import fp8_gemm as fg
 from pallas_kernels import fp8_quant as fq
 from pallas_kernels.common import triton_ir_for_h200

@@ -50,7 +50,7 @@ from fp8rl_jax.parallel import (
     param_axes,
     plan_params,
 )
-from fp8rl_jax.quant.fp8 import QuantizedWeight
+from fp8rl_jax.numerics.fp8 import QuantizedWeight
 from fp8rl_jax.quant.policy import Kernels, LayerPolicy, quantize_params
 
 DEVICES = 8

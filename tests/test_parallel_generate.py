@@ -48,7 +48,7 @@ def _child(out_path: str) -> None:
 
     from fp8rl_jax.models import Fp8Mode, abstract_params
     from fp8rl_jax.parallel import MeshConfig, ShardingPreset, make_mesh, shard_params
-    from fp8rl_jax.quant.fp8 import QuantizedWeight
+    from fp8rl_jax.numerics.fp8 import QuantizedWeight
     from fp8rl_jax.quant.policy import Kernels
     from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
     from fp8rl_jax.rollout.sampling import SamplingConfig
@@ -182,7 +182,7 @@ def _pallas_gemm_per_shard(mesh) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from fp8rl_jax.models.policy import Proj, Site
-    from fp8rl_jax.quant.fp8 import QuantizedWeight
+    from fp8rl_jax.numerics.fp8 import QuantizedWeight
     from fp8rl_jax.quant.policy import Kernels, W8A8Policy, WeightSharding, quantize_weight
 
     from pallas_kernels import fp8_gemm_mgpu

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from fp8rl_jax.models import PagedKVCache
-from fp8rl_jax.quant.fp8 import saturating_cast
+from fp8rl_jax.numerics.fp8 import saturating_cast
 from fp8rl_jax.quant.policy import Kernels
 from pallas_kernels import prefill_attention as pf
 

@@ -16,7 +16,7 @@ import fake_vllm
 from configs.models import tiny_qwen3
 from fp8rl_jax.checkpoint import load_checkpoint, save_checkpoint
 from fp8rl_jax.models import DensePolicy, Fp8Mode, calibrate_kv_scales, init_params
-from fp8rl_jax.quant.fp8 import QuantizedWeight
+from fp8rl_jax.numerics.fp8 import QuantizedWeight
 from fp8rl_jax.rl import config as rlconfig
 from fp8rl_jax.rl.generator import generator_environment, make_generator
 from fp8rl_jax.rollout import vllm_backend as vb

@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 from fp8rl_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from fp8rl_jax.models.config import ConfigError, ModelConfig, fp8_block_size, fp8_quantization_config
 from fp8rl_jax.models.qwen3 import abstract_params
-from fp8rl_jax.quant.fp8 import QuantizedWeight
+from fp8rl_jax.numerics.fp8 import QuantizedWeight
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"

@@ -74,7 +74,7 @@ def concat_parts(parts: list[Any]) -> Any | None:
     """The parts ([N_i, K] weights, or stacked experts [E, N_i, K]) concatenated on the output axis
     (-2), or None where they cannot be (quantized parts that do not end on a block row, mixed precision
     or rank, other input widths or expert counts)."""
-    from fp8rl_jax.quant.fp8 import QuantizedWeight  # the quant package imports the models
+    from fp8rl_jax.numerics.fp8 import QuantizedWeight  # the quant package imports the models
 
     if any(isinstance(p, FusedWeight) for p in parts) or len({len(p.shape) for p in parts}) != 1:
         return None

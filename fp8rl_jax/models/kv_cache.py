@@ -66,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.attention import dot_attention
-from fp8rl_jax.quant.fp8 import saturating_cast
+from fp8rl_jax.numerics.fp8 import saturating_cast
 from pallas_kernels import kv_write as kv_write_kernel
 from pallas_kernels import paged_attention as paged_kernel
 from pallas_kernels import prefill_attention as prefill_kernel

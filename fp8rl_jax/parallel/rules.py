@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.parallel.mesh import MeshAxis, MeshConfig, mesh_sizes
-from fp8rl_jax.quant.fp8 import QuantizedWeight
+from fp8rl_jax.numerics.fp8 import QuantizedWeight
 
 LogicalAxes = tuple[str, ...]
 

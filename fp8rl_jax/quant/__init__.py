@@ -1,10 +1,10 @@
 """FP8 quantization for fp8rl_jax: block-scaled weights, per-token-group activations.
 
-The math lives in `fp8rl_jax.quant.fp8` (see its design note); this package
+The math lives in `fp8rl_jax.numerics.fp8` (see its design note); this package
 re-exports the public API.
 """
 
-from fp8rl_jax.quant.fp8 import (
+from fp8rl_jax.numerics.fp8 import (
     E4M3_MAX,
     E5M2_MAX,
     Fp8Format,

@@ -4,7 +4,7 @@ Recipe (the rollout side of the mission):
 - Layer policy: attention q/k/v/o, MLP gate/up/down and every MoE expert projection are FP8;
   embeddings, all norms, the lm_head and the MoE router stay in the compute dtype (BF16).
   ``bf16_first_layers`` / ``bf16_last_layers`` keep the ends of the stack in BF16.
-- Weights: E4M3, 128x128 blocks, float32 ``scale_inv`` (``fp8rl_jax.quant.fp8``), quantized
+- Weights: E4M3, 128x128 blocks, float32 ``scale_inv`` (``fp8rl_jax.numerics.fp8``), quantized
   once per weight update by ``quantize_params``; the FP8 weight replaces the BF16 one in the
   params pytree (a ``QuantizedWeight`` leaf), so the generator's params carry their precision.
 - Activations: quantized dynamically per token in 1x128 groups inside every FP8 matmul.
@@ -61,7 +61,7 @@ from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, Kernels, MatmulPolicy, Proj, Site
 from fp8rl_jax.models.fusion import FusedWeight, concat_parts
 from fp8rl_jax.quant import cublaslt
-from fp8rl_jax.quant.fp8 import (QuantizedWeight, dequantize_activations, quantize_activations,
+from fp8rl_jax.numerics.fp8 import (QuantizedWeight, dequantize_activations, quantize_activations,
                                  quantize_activations_t, quantize_weight_blockwise)
 from pallas_kernels import act_quant
 from pallas_kernels import fp8_gemm as gemm_kernel

@@ -28,7 +28,7 @@ wgrad  dW=dyᵀx dy: ``grad_format``,        x: E4M3, 128x1 (128 tokens x 1     
 
 Every GEMM has its scale groups along its contraction axis (K, N, M respectively), so a kernel
 can apply ``scale_a * scale_b`` once per 128-wide contraction block and accumulate in float32.
-Scales are float32 ``amax / fmt_max`` with the zero/tiny rules of ``fp8rl_jax.quant.fp8``
+Scales are float32 ``amax / fmt_max`` with the zero/tiny rules of ``fp8rl_jax.numerics.fp8``
 (all-zero group -> scale 1.0, codes 0: padded tokens give exact zeros, never NaN). The weight is
 cast to the compute dtype *before* quantizing, so for BF16 masters-cast-to-BF16 the trainer's FP8
 forward uses the very codes and scales the rollout's ``quantize_params`` exports, and its
@@ -113,7 +113,7 @@ import jax.numpy as jnp
 
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DENSE_DN, RAGGED_DN, DensePolicy, MatmulPolicy, Site
-from fp8rl_jax.quant.fp8 import Fp8Format, QuantizedWeight, dequantize_activations, quantize_activations
+from fp8rl_jax.numerics.fp8 import Fp8Format, QuantizedWeight, dequantize_activations, quantize_activations
 from fp8rl_jax.quant import cublaslt
 from fp8rl_jax.quant.policy import GemmBackend, Kernels, LayerPolicy, quantize_weight, triton_config, use_cublaslt
 from pallas_kernels import fp8_gemm as gemm_kernel

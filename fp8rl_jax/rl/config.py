@@ -36,7 +36,7 @@ from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy
 from fp8rl_jax.rl.algos import AdvantageEstimator
 from fp8rl_jax.rl.trainer import ComputeDtype, LossConfig, OptimizerConfig, TrainerConfig
-from fp8rl_jax.rollout.engine import EngineConfig, KvCalibration
+from fp8rl_jax.rollout.config import EngineConfig, KvCalibration
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig
 
 

@@ -62,7 +62,7 @@ from flax import nnx
 from fp8rl_jax.checkpoint.hf import SCALE_SUFFIX, param_table
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.qwen3 import abstract_params
-from fp8rl_jax.quant.fp8 import QuantizedWeight
+from fp8rl_jax.numerics.fp8 import QuantizedWeight
 from fp8rl_jax.quant.policy import Kernels, LayerPolicy, quantize_params
 
 Path = tuple[str | int, ...]
