@@ -5,7 +5,7 @@ DAPO-style GRPO with FP8 rollout and token-level TIS (``configs/rl.py``: ``AIME2
 
 1. the prompt asks for step-by-step reasoning and a ``\\boxed{}`` final answer
    (``PROMPT_TEMPLATE``), wrapped in Qwen's chat format when the tokenizer has ``<|im_start|>``
-   (``--chat-template on|off|auto``); prompts longer than ``rollout.max_seq_len -
+   (``--chat-template on|off|auto``); prompts longer than ``rollout.engine.max_seq_len -
    rollout.max_new_tokens`` tokens are skipped (or, with ``overflow=truncate``, their question
    is cut; the answer instruction stays), with a printed note;
 2. each step (``fp8rl_jax.rl.loop.run``) samples ``rollout.n_samples`` responses per prompt from
@@ -33,10 +33,11 @@ built in-process with a character tokenizer: a few steps on AIME24 problems (or
 the restored state, step and data cursor and continues. Evaluation data default to
 ``../shared/data/aime24.jsonl`` (next to the repository) when that file exists.
 
-``--set`` takes ``section.field=value`` for the RL config (``rollout``, ``algorithm``,
-``optimizer``, ``trainer``, ``precision``, ``data``, ``logging``, ``seed``) or a field of
-:class:`AimeConfig` (``overflow=truncate``, ``chat_template=false``). With real weights the
-``model`` section comes from the checkpoint's config.json.
+``--set`` takes ``section.field=value`` for the RL config (``rollout``, ``rollout.engine``,
+``algorithm``, ``optimizer``, ``trainer``, ``precision``, ``data``, ``logging``, ``seed``; the
+same keys as the quickstart's) or a field of :class:`AimeConfig` (``overflow=truncate``,
+``chat_template=false``). With real weights the ``model`` section comes from the checkpoint's
+config.json.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class UsageError(Exception):
 
 
 class Overflow(enum.Enum):
-    """What happens to a prompt longer than ``rollout.max_seq_len - rollout.max_new_tokens`` tokens."""
+    """What happens to a prompt longer than ``rollout.engine.max_seq_len - rollout.max_new_tokens`` tokens."""
 
     SKIP = "skip"  # leave it out (the DAPO recipe filters long prompts the same way)
     TRUNCATE = "truncate"  # cut the end of the question; the template and its \boxed{} instruction stay
@@ -149,8 +150,9 @@ def tiny_preset(base: rlconfig.RLConfig, model: ModelConfig, out_dir: str) -> rl
     return dataclasses.replace(
         base,
         model=dataclasses.replace(model, max_position_embeddings=256),
-        rollout=dataclasses.replace(base.rollout, n_samples=2, max_new_tokens=8, max_seq_len=192, max_slots=16,
-                                    page_size=16, kv_budget_gib=0.001, steps_per_call=8, prefill_batch=16),
+        rollout=dataclasses.replace(base.rollout, n_samples=2, max_new_tokens=8, engine=dataclasses.replace(
+            base.rollout.engine, max_seq_len=192, max_slots=16, page_size=16, kv_budget_gib=0.001, steps_per_call=8,
+            prefill_batch=16)),
         optimizer=dataclasses.replace(base.optimizer, lr=1e-4, warmup_steps=0),
         trainer=rlconfig.TrainConfig(),
         data=rlconfig.DataConfig(prompts_per_step=2, steps=4, eval_every=2, eval_samples=2),
@@ -227,10 +229,10 @@ def fit_prompts(examples: list[Example], *, render, encode, budget: int, overflo
         out.append(Example(text, e.answer))
     if cut or skipped:
         print(f"note: {cut + skipped} of {len(examples)} {what} prompts exceed {budget} tokens "
-              f"(rollout.max_seq_len - rollout.max_new_tokens): {cut} truncated (question cut), {skipped} skipped")
+              f"(rollout.engine.max_seq_len - rollout.max_new_tokens): {cut} truncated (question cut), {skipped} skipped")
     if not out:
-        raise UsageError(f"no {what} prompt fits in {budget} tokens (rollout.max_seq_len - rollout.max_new_tokens): "
-                         "raise --set rollout.max_seq_len=..., or --set overflow=truncate")
+        raise UsageError(f"no {what} prompt fits in {budget} tokens (rollout.engine.max_seq_len - rollout.max_new_tokens): "
+                         "raise --set rollout.engine.max_seq_len=..., or --set overflow=truncate")
     return out
 
 
@@ -309,10 +311,7 @@ def main(config: AimeConfig) -> RunResult:
     if eval_spec is None and cfg.data.eval_every:
         errors.append(f"no evaluation data ({DEFAULT_EVAL_DATA} is absent): pass --eval-data PATH.jsonl or "
                       "hf:NAME (e.g. hf:HuggingFaceH4/aime_2024), or --set data.eval_every=0")
-    budget = cfg.rollout.max_seq_len - cfg.rollout.max_new_tokens
-    if budget < 1:
-        errors.append(f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens} leaves no room for a prompt under "
-                      f"rollout.max_seq_len = {cfg.rollout.max_seq_len}")
+    budget = cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens  # >= 1: RolloutConfig checks it
     if errors:
         raise UsageError("\nerror: ".join(errors))
     train_spec = cfg.data.train_path or eval_spec
@@ -493,7 +492,7 @@ def tiny_demo(config: AimeConfig) -> tuple[RunResult, RunResult]:
     if not every or every >= config.rl.data.steps:
         raise UsageError("the tiny demo needs 0 < logging.checkpoint_every < data.steps (it resumes from the first "
                          "checkpoint)")
-    first = main(rlconfig.override(config, [f"rl.data.steps={every}"]))
+    first = main(rlconfig.override(config, [f"data.steps={every}"]))
     print(f"\n--- resuming from the checkpoint at step {every} ---\n")
     second = main(dataclasses.replace(config, resume=True))
     s = second.summary
@@ -512,10 +511,9 @@ def tiny_demo(config: AimeConfig) -> tuple[RunResult, RunResult]:
 
 
 def apply_overrides(config: AimeConfig, assignments: list[str]) -> AimeConfig:
-    """``section.field=value`` for the RL config (sections of RLConfig) or ``field=value`` of AimeConfig."""
-    rl_fields = {f.name for f in dataclasses.fields(rlconfig.RLConfig)}
-    routed = [f"rl.{a}" if a.split("=", 1)[0].strip().split(".")[0] in rl_fields else a for a in assignments]
-    return rlconfig.override(config, routed)
+    """``key=value`` assignments: RL keys (``rollout.n_samples=8``) or AimeConfig fields
+    (``overflow=truncate``), as ``fp8rl_jax.rl.config.override`` takes them everywhere."""
+    return rlconfig.override(config, assignments)
 
 
 def cli(argv: list[str] | None, *, preset: rlconfig.RLConfig, tiny: rlconfig.RLConfig, model_name: str,

@@ -3,14 +3,14 @@ kernel (default) or, with ``--kernel grouped_gemm``, the FP8 MoE grouped GEMM at
 shape (``--gg-configs block_m,block_n,warps,stages[,swap]``; whether the K loop runs wgmma or mma.sync), or with
 ``--kernel gemm`` the dense FP8 GEMM's split-K decode configs
 (``--gemm-configs bm,bn,warps,stages,k_splits[,swap][,preload][,prefetch]``; each result also gives the grid's
-programs and its waves of resident CTAs on the H200's 132 SMs, which session 28 chose the next sweep's configs by).
+programs and its waves of resident CTAs on the 132 SMs of an H100/H200 SXM).
 
 Two halves, run by two interpreters (jax's XLA bundles its own Triton; the `triton` wheel is only
 needed for the offline compile):
 
 1. ``dump`` (project venv, jax): lowers `_paged_attention` for CUDA on a CPU-only host
    (``.trace(...).lower(lowering_platforms=("cuda",))``), with the Pallas Triton lowering's GPU
-   query patched to an H200 (sm_90), and captures the Triton MLIR (TTIR) module that jax would put
+   query patched to sm_90 (Hopper), and captures the Triton MLIR (TTIR) module that jax would put
    into the ``__gpu$xla.gpu.triton`` custom call (the module `lower_jaxpr_to_triton_module` returns;
    the custom call carries its bytecode in the ``ir`` backend-config field).
 2. ``compile`` (a venv with ``triton==3.6.0``): runs Triton's NVIDIA stages by hand
@@ -41,12 +41,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-H200_SMS = 132
+HOPPER_SMS = 132  # SMs of an H100 / H200 SXM
 
 
 def dump(captured: list[str], out: Path, dtypes, bps, stages, warps, batch: int, context: int,
          dot_dtypes=("bfloat16",), word_gather: bool = False, kv_heads=(1,)) -> list[dict]:
-    """TTIR of `_paged_attention` per config (``captured``: the list `triton_ir_for_h200` fills)."""
+    """TTIR of `_paged_attention` per config (``captured``: the list `triton_ir_for_sm90` fills)."""
     import functools
 
     import jax
@@ -80,14 +80,15 @@ def dump(captured: list[str], out: Path, dtypes, bps, stages, warps, batch: int,
 
 def dump_grouped_gemm(captured: list[str], out: Path, configs: list[str], tokens: int, n: int, k: int) -> list[dict]:
     """TTIR of `fp8_grouped_gemm` per config ``bm,bn,warps,stages[,swap]`` at M = tokens * 8, 128
-    experts, [N, K] expert weights (``captured``: the list `triton_ir_for_h200` fills)."""
+    experts, [N, K] expert weights (``captured``: the list `triton_ir_for_sm90` fills)."""
     import jax
     import jax.numpy as jnp
 
+    from experiments.bench.suites.grouped_gemm import BENCH_E, BENCH_TOP_K
     from pallas_kernels import fp8_grouped_gemm as gg
 
     S = jax.ShapeDtypeStruct
-    m, e, kb = tokens * gg.BENCH_TOP_K, gg.BENCH_E, -(-k // 128)
+    m, e, kb = tokens * BENCH_TOP_K, BENCH_E, -(-k // 128)
     args = (S((m, k), jnp.float8_e4m3fn), S((m, kb), jnp.float32), S((e, n, k), jnp.float8_e4m3fn),
             S((e, -(-n // 128), kb), jnp.float32), S((e,), jnp.int32))
     jobs = []
@@ -107,7 +108,7 @@ def dump_grouped_gemm(captured: list[str], out: Path, configs: list[str], tokens
 
 def dump_gemm(captured: list[str], out: Path, configs: list[str], m: int, n: int, k: int) -> list[dict]:
     """TTIR of the dense `fp8_gemm` (Triton) per config ``block_m,block_n,warps,stages,k_splits`` at [M, K] x [N, K]^T
-    (``captured``: the list `triton_ir_for_h200` fills): whether its decode configs' K loop runs wgmma."""
+    (``captured``: the list `triton_ir_for_sm90` fills): whether its decode configs' K loop runs wgmma."""
     import jax
     import jax.numpy as jnp
 
@@ -252,9 +253,9 @@ def compile_all(out: Path, jobs: list[dict]) -> list[dict]:
                "ctas_by_regs": cta_by_regs, "ctas_by_smem": cta_by_smem,
                "loop_ptx_ops": _op_counts(_loop_body(texts["ptx"])), "ttgir_loop": _ttgir_loop_facts(texts["ttgir"]),
                "loop_sass_per_warp": sass.get("instructions"), "loop_sass_ops": sass.get("ops")}
-        # the GEMM's grid in waves of resident CTAs on the H200's SMs (a partial last wave idles SMs)
+        # the GEMM's grid in waves of resident CTAs on a Hopper GPU's SMs (a partial last wave idles SMs)
         if "programs" in job:
-            res["waves"] = round(job["programs"] / (H200_SMS * res["ctas_per_sm"]), 2)
+            res["waves"] = round(job["programs"] / (HOPPER_SMS * res["ctas_per_sm"]), 2)
         results.append(res)
         print(json.dumps(res), flush=True)
     return results
@@ -290,9 +291,9 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.phase in ("all", "dump"):
-        from pallas_kernels.common import triton_ir_for_h200
+        from pallas_kernels.common import triton_ir_for_sm90
 
-        with triton_ir_for_h200() as captured:
+        with triton_ir_for_sm90() as captured:
             if a.kernel == "grouped_gemm":
                 jobs = dump_grouped_gemm(captured, out, a.gg_configs, *a.gg_shape)
             elif a.kernel == "gemm":

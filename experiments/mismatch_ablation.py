@@ -36,7 +36,7 @@ pools, the floor of the cache path itself). The tokens come from the full-FP8 en
 of a partial placement are estimates on off-policy samples; the exact KL is not.
 
     python experiments/mismatch_ablation.py [--out experiments/results] [--seeds 0,1,2] [--steps 150]
-        [--workers 2] [--arms bf16,fp8_tis,fp8_none,fp8_mis] [--no-attribution] [--set rl.x=y ...]
+        [--workers 2] [--arms bf16,fp8_tis,fp8_none,fp8_mis] [--no-attribution] [--set section.field=value ...]
 """
 
 from __future__ import annotations
@@ -662,10 +662,10 @@ def parse_args(argv: list[str] | None = None) -> AblationConfig:
     ap.add_argument("--final-window", type=int, default=AblationConfig.final_window)
     ap.add_argument("--no-attribution", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
-                    help="override a QuickstartConfig field, e.g. rl.rollout.temperature=0.8")
+                    help="override a config field as the quickstart takes it, e.g. rollout.temperature=0.8")
     args = ap.parse_args(argv)
     try:
-        q = rlconfig.override(AblationConfig.quickstart, args.set + ([f"rl.data.steps={args.steps}"] if args.steps else []))
+        q = rlconfig.override(AblationConfig.quickstart, args.set + ([f"data.steps={args.steps}"] if args.steps else []))
         arms = tuple(Arm(a.strip()) for a in args.arms.split(",") if a.strip())
         seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
         return AblationConfig(quickstart=q, arms=arms, seeds=seeds, final_window=args.final_window, workers=args.workers,

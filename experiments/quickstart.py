@@ -14,10 +14,11 @@ What it does, all in-process (no downloads):
 4. writes ``metrics.jsonl`` (+ TensorBoard events) and ``quickstart.png`` (reward, mismatch KL,
    tokens/s) under ``--out`` and prints a summary table.
 
-    python experiments/quickstart.py [--out runs/quickstart] [--set rl.data.steps=40 ...]
+    python experiments/quickstart.py [--out runs/quickstart] [--set data.steps=40 ...]
 
-Overrides use dotted paths into ``QuickstartConfig`` (``--set sft_steps=100``,
-``--set rl.precision.rollout=none``, ``--set rl.rollout.temperature=0.8``).
+``--set`` takes the RL config's keys, as the AIME scripts do (``--set precision.rollout=none``,
+``--set rollout.temperature=0.8``, ``--set rollout.engine.decode_buckets=16,64``), and the
+quickstart's own fields by name (``--set sft_steps=100``).
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[QuickstartConfig, Path]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/quickstart"))
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
-                    help="override a config field, e.g. rl.data.steps=20 or rl.precision.rollout=none")
+                    help="override a config field, e.g. data.steps=20, precision.rollout=none, sft_steps=100")
     args = ap.parse_args(argv)
     try:
         config = rlconfig.override(QuickstartConfig(), args.set)

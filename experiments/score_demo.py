@@ -1,4 +1,4 @@
-"""Scoring demo (the README's main job until the RL quickstart lands).
+"""Scoring demo: the tiny checkpoint the README's ``fp8rl score`` example uses, and a check of it.
 
 Builds a tiny random Qwen3 and a character tokenizer in-process, writes them as a Hugging Face
 folder, scores a few sentences with the ``fp8rl score`` command, and checks the logits against the

@@ -1,6 +1,5 @@
-"""Live checks of the vLLM backend (issue 8) on one GPU, with vLLM 0.26 importable.
+"""Live checks of the vLLM backend on one GPU, with vLLM 0.26 importable (the fp8rl_jax[vllm] extra).
 
-    # on the H200, after `bash .vllm-h200/install.sh` and PYTHONPATH=/tmp/vllm_site:$PYTHONPATH:
     python experiments/vllm_live_check.py --phase small --out small.json   # agreement, update effect
     python experiments/vllm_live_check.py --phase sync8b --out sync.json   # Qwen3-8B-shaped sync time
 
@@ -45,7 +44,7 @@ import numpy as np  # noqa: E402
 from configs.models import qwen3_1_7b, qwen3_8b  # noqa: E402
 from fp8rl_jax.checkpoint.hf import save_checkpoint  # noqa: E402
 from fp8rl_jax.environment import run_environment  # noqa: E402
-from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit  # noqa: E402
+from fp8rl_jax.models.calibration import calibrate_kv_scales_jit  # noqa: E402
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode  # noqa: E402
 from fp8rl_jax.models.qwen3 import forward, init_params  # noqa: E402
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_params  # noqa: E402

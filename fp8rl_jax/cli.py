@@ -18,15 +18,27 @@ with status 2 without writing the output; the output is written atomically.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from fp8rl_jax.checkpoint import CheckpointError, load_checkpoint
+from fp8rl_jax.checkpoint.quantize import quantize_checkpoint
+from fp8rl_jax.environment import enable_compilation_cache
+from fp8rl_jax.models import DensePolicy, PagedKVCache, calibrate_kv_scales, forward
 from fp8rl_jax.models.policy import Fp8Mode
+from fp8rl_jax.quant.policy import LayerPolicy, W8A8Policy, quantize_params
+from fp8rl_jax.rollout.config import EngineConfig
+from fp8rl_jax.rollout.engine import JaxEngine
+from fp8rl_jax.rollout.sampling import SamplingConfig
 
 EXIT_BAD_INPUT = 2
 
@@ -74,13 +86,6 @@ def _read_tokens(path: Path, vocab_size: int, max_len: int) -> np.ndarray:
 
 
 def score(args: argparse.Namespace) -> int:
-    import jax
-    import jax.numpy as jnp
-
-    from fp8rl_jax.checkpoint import CheckpointError, load_checkpoint
-    from fp8rl_jax.models import DensePolicy, PagedKVCache, calibrate_kv_scales, forward
-    from fp8rl_jax.quant.policy import W8A8Policy, quantize_params
-
     mode = Fp8Mode(args.fp8)
     model_dir = _model_dir(args.model)
     fp8 = mode.fp8_weights
@@ -143,10 +148,6 @@ def _model_dir(path: str) -> Path:
 
 
 def quantize(args: argparse.Namespace) -> int:
-    from fp8rl_jax.checkpoint import CheckpointError
-    from fp8rl_jax.checkpoint.quantize import quantize_checkpoint
-    from fp8rl_jax.quant.policy import LayerPolicy
-
     try:
         layer_policy = LayerPolicy(bf16_first_layers=args.bf16_first_layers, bf16_last_layers=args.bf16_last_layers)
         start = time.perf_counter()
@@ -160,8 +161,6 @@ def quantize(args: argparse.Namespace) -> int:
 
 
 def _read_prompts(path: Path) -> list[list[int]]:
-    import json
-
     try:
         prompts = json.loads(path.read_text())
     except FileNotFoundError:
@@ -177,15 +176,6 @@ def _read_prompts(path: Path) -> list[list[int]]:
 
 
 def generate(args: argparse.Namespace) -> int:
-    import json
-    import math
-
-    import jax.numpy as jnp
-
-    from fp8rl_jax.checkpoint import CheckpointError, load_checkpoint
-    from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
-    from fp8rl_jax.rollout.sampling import SamplingConfig
-
     mode = Fp8Mode(args.fp8)
     prompts = _read_prompts(Path(args.prompts))
     try:
@@ -265,8 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from fp8rl_jax.environment import enable_compilation_cache
-
     enable_compilation_cache()  # the next call of the same model loads its programs
     try:
         return args.func(args)

@@ -1,23 +1,30 @@
 """What every benchmark result records about where it ran (device, versions, date), and the
-process-wide JAX settings the entry points share (the persistent compilation cache).
-
-``run_environment`` lives with the kernels (``pallas_kernels.common``, the lowest layer, whose
-own benchmarks write it too); the experiments add flax's version."""
+process-wide JAX settings the entry points share (the persistent compilation cache)."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import platform
+import shutil
+import statistics
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
-from pallas_kernels.common import run_environment as _kernel_environment
+import flax
+import jax
+import jaxlib
 
 
 def run_environment(**extra) -> dict:
-    """``pallas_kernels.common.run_environment`` plus the flax version, plus ``extra``."""
-    import flax
-
-    return _kernel_environment(flax=flax.__version__, **extra)
+    """Where a run happened: device kind and count, backend, jax/jaxlib/flax/python versions and the
+    UTC date, plus ``extra``."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), backend=jax.default_backend(),
+                jax=jax.__version__, jaxlib=jaxlib.__version__, python=platform.python_version(),
+                date=now, flax=flax.__version__, **extra)
 
 
 CACHE_ENV = "FP8RL_COMPILATION_CACHE"
@@ -26,7 +33,7 @@ CACHE_ENV = "FP8RL_COMPILATION_CACHE"
 def enable_compilation_cache(path: str | os.PathLike | None = None, min_compile_s: float = 1.0) -> Path | None:
     """Turns on JAX's persistent compilation cache, so a restarted job (``--resume`` after a stall
     exit, the next ``fp8rl generate``) loads its programs instead of compiling them again (Qwen3-8B
-    on the H200: 13-27 s per engine program cold, 2-7 s from the cache, session 7).
+    engine programs: tens of seconds cold, a few seconds from the cache).
 
     ``path``: the cache folder; default ``$FP8RL_COMPILATION_CACHE``, else
     ``~/.cache/fp8rl_jax/jax``. ``"off"`` (argument or variable) leaves the cache off. A cache
@@ -34,8 +41,6 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, min_compile_
     Programs that compile in under ``min_compile_s`` seconds are not stored (unless
     ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise). Call it before the
     first compile. Returns the folder in use, or None when off."""
-    import jax
-
     configured = jax.config.jax_compilation_cache_dir
     if configured:
         return Path(configured)
@@ -85,8 +90,6 @@ class GpuMonitor:
         self._stop = None
 
     def _query(self, fields: tuple[str, ...]):
-        import subprocess
-
         gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
         try:
             return subprocess.run([self.smi, "-i", gpu, f"--query-gpu={','.join(fields)}",
@@ -95,9 +98,6 @@ class GpuMonitor:
             return None
 
     def __enter__(self) -> GpuMonitor:
-        import shutil
-        import threading
-
         if shutil.which(self.smi) is None:
             return self
         for reasons in (*_SMI_REASONS, None):  # the reasons field's name changed across drivers
@@ -128,8 +128,6 @@ class GpuMonitor:
             self._thread = None
 
     def summary(self) -> dict | None:
-        import statistics
-
         rows = []
         for line in self._lines:
             parts = [p.strip() for p in line.split(",")]

@@ -7,9 +7,9 @@ What: ``out [M, N] = A [M, K] @ B [N, K]^T`` with both operands float8_e4m3fn
 and DeepSeek-V3 / vLLM block scales:
 
 * ``a_scale float32 [M, ceil(K/128)]``: per-token 1x128 groups
-  (`fp8rl_jax.quant.quantize_activations`), ``A ~= qa * a_scale`` per group;
+  (`pallas_kernels.act_quant.quantize_groups_reference`), ``A ~= qa * a_scale`` per group;
 * ``b_scale_inv float32 [ceil(N/128), ceil(K/128)]``: 128x128 weight blocks
-  (`fp8rl_jax.quant.quantize_weight_blockwise`), ``B ~= qb * b_scale_inv``.
+  (`pallas_kernels.fp8_quant.quantize_blocks_reference`), ``B ~= qb * b_scale_inv``.
 
 Math (the reference does the same, in the same order, in float32)::
 
@@ -35,30 +35,28 @@ aligned shapes run unmasked. No operand is padded or copied.
 
 Deviations / limits: E4M3 only; output bf16, f16 or f32. The Triton FP8 dot's
 in-tensor-core accumulation precision is the hardware's (Hopper's FP8 wgmma
-accumulates with reduced precision; see the GPU tolerance in the tests). Until
-session 12 the dots ran Triton's float16 ``mma.sync`` fallback, not wgmma (jax's
-lowering leaves out ``maxNumImpreciseAcc``; `pallas_kernels.common.enable_fp8_wgmma`
-now sets it, and tiles of ``block_m >= 64`` run wgmma). The Pallas Triton
-backend is deprecated upstream in favour of Mosaic GPU: `fp8_gemm_mgpu` is the
-wgmma/TMA variant, cuBLASLt the H200 default of the policy.
+accumulates with reduced precision; see the GPU tolerance in the tests). The
+dots run wgmma for tiles of ``block_m >= 64`` (or ``swap_ab``) because
+`pallas_kernels.common.enable_fp8_wgmma` sets the ``maxNumImpreciseAcc`` that
+jax's lowering leaves out. The Pallas Triton backend is deprecated upstream in
+favour of Mosaic GPU: `fp8_gemm_mgpu` is the wgmma/TMA variant; the library's
+policy picks per shape between these kernels and cuBLASLt from measured tables.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.numerics.fp8 import codes_to_float32
-from pallas_kernels.common import enable_fp8_wgmma, median_ms, resolve_interpret, write_results
+from pallas_kernels.common import enable_fp8_wgmma, resolve_interpret
+from pallas_kernels.fp8_quant import codes_to_float32
 
 enable_fp8_wgmma()  # FP8 dots on wgmma, not the float16 mma.sync fallback (see its note)
-from jax.experimental.pallas import triton as plgpu
 
 BK = 128  # K block = scale group width
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -82,15 +80,13 @@ class GemmConfig:
         on the wgmma's M side (64 per instruction), decode-sized M on its N side (8-256). Needs ``block_n``
         dividing 128 (a tile's rows of B in one 128-row scale block: one weight scale per K step) or a multiple
         of 128 (one accumulator and one scale per 128-row block, A's tile loaded once a step for all of them:
-        fewer programs re-reading the activations from L2 for the same weight bytes; H200 session 29: 256-row
-        tiles were 1.03-1.86x slower than the best 64-row tile at every Qwen3-8B decode shape, so none is in
-        `DECODE_CONFIGS`).
+        fewer programs re-reading the activations from L2 for the same weight bytes; 256-row tiles were slower
+        than the best 64-row tile at every Qwen3-8B decode shape, so none is in `DECODE_CONFIGS`).
       preload_scales: load the program's scales of every K step it runs before its K loop (the steps padded to a
         power of two with zero scales), each step picking its own in registers, where they are otherwise loaded
         per step: those loads do not feed a dot, so Triton's pipeliner leaves them as plain global loads whose
-        latency each step waits for (the H200 timed this kernel at 1.02-2.86x cuBLASLt at decode sizes without
-        it, session 27; the grouped kernel's decode tiles reached ~3 TB/s with it, session 13). Applied where
-        the scales fit `_PRELOAD_REGS` registers a thread, else the per-step loads.
+        latency each step waits for. Applied where the scales fit `_PRELOAD_REGS` registers a thread, else the
+        per-step loads.
       prefetch_scales: each K step loads the next step's scales (carried in registers), so a load's latency is
         hidden behind a whole step, without preloading's per-step selection (a cross-thread reduction in
         shared memory). Where preloading applies too, preloading wins.
@@ -151,14 +147,11 @@ SWEEP_CONFIGS = (
     GemmConfig(256, 128, 8, 3),
 )
 # Decode-sized M (the generator's 16-256 rows): narrow N tiles and K split so the programs fill the SMs while each
-# streams a contiguous slab of the weight (memory-bound: the weight is read once). The first three, with per-step
-# scale loads, were the fastest of session 27's six on the H200 and still 1.02-2.86x cuBLASLt's GPU time; the rest
-# preload or prefetch their scales, and the swap_ab ones put the weight rows on the wgmma's M side (offline sm_90
-# codegen: every one runs wgmma with no spills and no global load left in its K loop but prefetch's next-step
-# scales). H200, session 28 (`experiments/bench_decode_gemms.py --triton`, GPU time beside cuBLASLt on the same
-# operands): at 64 rows 64 x 64 swap_ab + prefetch beat cuBLASLt on Qwen3-8B's o_proj (K split 4: 12.0 against
-# 15.4 us), fused q/k/v (split 4: 14.7 against 16.0) and fused gate/up (no split: 31.0 against 34.8, 3.2 TB/s of
-# weight), the last two configs below; at 128 and 256 rows no config came within 3% of cuBLASLt but o_proj's.
+# streams a contiguous slab of the weight (memory-bound: the weight is read once). The first three load their scales
+# per step; the rest preload or prefetch them, and the swap_ab ones put the weight rows on the wgmma's M side (offline
+# sm_90 codegen: every one runs wgmma with no spills and no global load left in its K loop but prefetch's next-step
+# scales). `python -m experiments.bench decode_gemms --triton` times them beside cuBLASLt and writes the table the
+# policy reads.
 DECODE_CONFIGS = (
     GemmConfig(64, 64, 4, 4, k_splits=2),
     GemmConfig(128, 64, 4, 4, k_splits=2),
@@ -468,72 +461,3 @@ def fp8_gemm_reference(a, a_scale, b, b_scale_inv, *, out_dtype=jnp.bfloat16) ->
 
     acc, _ = jax.lax.scan(step, jnp.zeros((m, n), jnp.float32), scaled)
     return acc.astype(out_dtype)
-
-
-# ----------------------------------------------------------------------------
-# Benchmark
-
-BENCH_M = (64, 256, 2048, 8192)
-BENCH_NK = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288))
-
-
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Sweep GemmConfigs over Qwen3-8B GEMM shapes; print best TFLOP/s vs XLA BF16 jnp.dot."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--out", default=None, help="write results as JSON to this path")
-    parser.add_argument("--m", type=int, nargs="*", default=list(BENCH_M), help="M values (default: all; ~6 min)")
-    args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print(f"fp8_gemm benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); nothing to do.")
-        return 0
-
-    from fp8rl_jax.numerics import fp8 as fp8_ref
-
-    bf16_dot = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16))
-    key = jax.random.key(0)
-    results = []
-    for n, k in BENCH_NK:
-        w = jax.random.normal(jax.random.fold_in(key, n * 7 + k), (n, k), jnp.bfloat16)
-        qw = fp8_ref.quantize_weight_blockwise(w)
-        for m in args.m:
-            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
-            qa, sa = fp8_ref.quantize_activations(x)
-            flop = 2.0 * m * n * k
-            ref = fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32)
-            row = {"M": m, "N": n, "K": k, "configs": []}
-            best = None
-            for cfg in SWEEP_CONFIGS:
-                try:
-                    out = fp8_gemm(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32, config=cfg, interpret=False)
-                    err = float(jnp.max(jnp.abs(out - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
-                    ms = median_ms(lambda cfg=cfg: fp8_gemm(
-                        qa, sa, qw.q, qw.scale_inv, config=cfg, interpret=False))
-                except Exception as e:  # report and go on
-                    row["configs"].append({"config": dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                    continue
-                tf = flop / (ms * 1e-3) / 1e12
-                row["configs"].append({"config": dataclasses.asdict(cfg), "ms": ms, "tflops": tf, "max_rel_err_f32": err})
-                if best is None or ms < best[1]:
-                    best = (cfg, ms, tf, err)
-            ms_bf16 = median_ms(lambda: bf16_dot(x, w))
-            tf_bf16 = flop / (ms_bf16 * 1e-3) / 1e12
-            row["xla_bf16"] = {"ms": ms_bf16, "tflops": tf_bf16}
-            if best is not None:
-                row["best"] = {"config": dataclasses.asdict(best[0]), "ms": best[1], "tflops": best[2], "max_rel_err_f32": best[3]}
-                print(f"M={m:5d} N={n:5d} K={k:5d}: fp8 {best[2]:7.1f} TFLOP/s ({best[1]:.3f} ms, "
-                      f"bm={best[0].block_m} bn={best[0].block_n} w={best[0].num_warps} s={best[0].num_stages}, "
-                      f"err {best[3]:.1e}) | XLA bf16 {tf_bf16:7.1f} TFLOP/s ({ms_bf16:.3f} ms)", flush=True)
-            else:
-                print(f"M={m} N={n} K={k}: every config failed; XLA bf16 {tf_bf16:.1f} TFLOP/s", flush=True)
-            results.append(row)
-            if args.out:
-                write_results(args.out, results)
-    if args.out:
-        print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -54,11 +54,9 @@ Kernel structure (after jax's ``hopper_matmul_mgpu``, Lane semantics):
   on its BlockSpec), halving A's L2 -> SM traffic, which at M = 256 is most of
   the bytes a CTA reads (1 MB of A against 0.25-0.5 MB of B for K = 4096). The
   persistent loop runs over cluster tiles (grid ``num_sms / 2`` clusters).
-  Timed on the H200 (session 9) at the four decode shapes of the fused generator: fastest at one
-  (4096 x 12288, with split-K 4), by less than run-to-run noise; slower at the others.
 * Overlapped promotion (``overlap_promotion``): block kb's wgmma is issued, block kb-1's product
-  promoted while it runs, then waited for (the carry holds one block's product and scale). Timed at
-  the same shapes: 6-34% slower than the same tiling without it, so it is out of the sweeps.
+  promoted while it runs, then waited for (the carry holds one block's product and scale). Slower
+  than the same tiling without it at the decode shapes, so it is out of the sweeps.
 * Epilogue: cast to ``out_dtype`` in registers, store to 128-byte-swizzled
   SMEM, TMA-store to GMEM (the next tile's epilogue waits for the previous
   store to have read the SMEM).
@@ -77,8 +75,8 @@ wgmma simulated in float32, TMA and barriers simulated). The Python-side
 Mosaic GPU lowering for CUDA also succeeds on the CPU for every sweep config
 (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``), which
 checks layouts, wgmma operand constraints and shared-memory size; PTX
-compilation, native numerics and timing need an H200 (``main()``;
-``tests/test_fp8_gemm_mgpu.py::TestGpu``). At jax 0.11.2 interpret-mode race
+compilation, native numerics and timing need a Hopper GPU (``python -m experiments.bench
+gemm_tune``; ``tests/test_fp8_gemm_mgpu.py::TestGpu``). At jax 0.11.2 interpret-mode race
 detection reports a race on every pipeline slot that
 ``emit_pipeline_warp_specialized`` refills after its consumed barrier (a
 minimal kernel whose body only reads its input block shows it too) and does not
@@ -88,12 +86,9 @@ without slot reuse.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
 import functools
-import json
-import sys
 from pathlib import Path
 
 import jax
@@ -102,8 +97,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (device_kind, m_bucket, merged_tuning, replay_ms, tuning_entries, write_results,
-                                   write_tuning)
+from pallas_kernels.common import device_kind, m_bucket, tuning_entries
 from pallas_kernels.fp8_gemm import BK, _check_operands, fp8_gemm_reference
 
 __all__ = [
@@ -114,8 +108,8 @@ __all__ = [
     "MgpuGemmConfig",
     "default_config",
     "fp8_gemm_mgpu",
+    "config_dict",
     "fp8_gemm_reference",
-    "main",
     "supports",
 ]
 
@@ -209,9 +203,8 @@ class MgpuGemmConfig:
         return self.max_concurrent_steps * stage + 2 * self.tile_m * self.tile_n * itemsize
 
 
-# Chosen from the H200 sweep of 2026-11-30 (experiments/results/gemm_mgpu_h200.json): CTA tiles of
-# 128 x 128 or 64 x 256 with 64 x 128 per consumer warpgroup won every shape; 128-row warpgroup
-# tiles (2 x 128 f32 registers per thread) lost 30-45%.
+# CTA tiles of 128 x 128 or 64 x 256 with 64 x 128 per consumer warpgroup are the fastest at every
+# Qwen3-8B shape; 128-row warpgroup tiles (2 x 128 f32 registers per thread) are 30-45% slower.
 DEFAULT_CONFIG = MgpuGemmConfig(64, 128, MatmulDimension.M, 4, MatmulDimension.N, 8)  # CTA 128 x 128
 DECODE_CONFIG = MgpuGemmConfig(64, 128, MatmulDimension.N, 3)  # CTA 64 x 256: more CTAs along N when M is small
 SWEEP_CONFIGS = (  # all fit in shared memory with bf16 output
@@ -236,22 +229,20 @@ DECODE_SWEEP_CONFIGS = (
     MgpuGemmConfig(64, 64, MatmulDimension.M, 6),
     MgpuGemmConfig(128, 64, MatmulDimension.M, 4),
     MgpuGemmConfig(128, 64, MatmulDimension.M, 3),
-    # split-K: M = 256 with N = 1024 leaves 32 CTA tiles for 132 SMs (63 TFLOP/s measured, XLA BF16 83)
+    # split-K: M = 256 with N = 1024 leaves 32 CTA tiles for 132 SMs
     MgpuGemmConfig(64, 64, MatmulDimension.N, 6, k_splits=2),
     MgpuGemmConfig(64, 64, MatmulDimension.N, 6, k_splits=4),
     MgpuGemmConfig(64, 64, MatmulDimension.M, 6, k_splits=4),
     MgpuGemmConfig(128, 64, MatmulDimension.M, 3, k_splits=4),
-    # clusters of 2 CTAs along N sharing the activation tile (TMA multicast): each CTA of these holds
-    # all 256 rows and re-read the 1 MB activation from L2 for 64-128 columns (session 8: the fused
-    # q/k/v GEMM ran at XLA BF16's speed)
+    # clusters of 2 CTAs along N sharing the activation tile (TMA multicast): without it each CTA of
+    # these holds all 256 rows and re-reads the 1 MB activation from L2 for 64-128 columns
     MgpuGemmConfig(128, 64, MatmulDimension.M, 4, cluster_n=2),
     MgpuGemmConfig(128, 64, MatmulDimension.M, 3, cluster_n=2),
     MgpuGemmConfig(64, 128, MatmulDimension.M, 4, cluster_n=2),
     MgpuGemmConfig(128, 64, MatmulDimension.M, 3, k_splits=4, cluster_n=2),
 )
-# Timed on the H200 in session 9 at the four decode shapes above (experiments/results/
-# gemm_decode_overlap_clusters_h200_session9.json) and never the fastest: 6-34% slower than the same
-# tiling without it. Kept as an option, tested, out of the sweeps.
+# Overlapped promotion: never the fastest at the decode shapes (6-34% slower than the same tiling
+# without it). Kept as an option, tested, out of the sweeps.
 OVERLAP_CONFIGS = (
     dataclasses.replace(DECODE_CONFIG, overlap_promotion=True),
     MgpuGemmConfig(64, 64, MatmulDimension.N, 6, overlap_promotion=True),
@@ -259,12 +250,18 @@ OVERLAP_CONFIGS = (
     MgpuGemmConfig(128, 64, MatmulDimension.M, 4, cluster_n=2, overlap_promotion=True),
 )
 
-# Measured tuning (``main --tuning-out``): per device kind, the fastest config of each (M bucket, N,
-# K) timed on it. `default_config` uses an entry only on the device kind it was measured on.
+# Measured tuning (``python -m experiments.bench gemm_tune --tuning-out``): per device kind, the fastest
+# config of each (M bucket, N, K) timed on it. `default_config` uses an entry only on that device kind.
 TUNING_FILE = Path(__file__).with_name("fp8_gemm_mgpu_tuning.json")
 
 
 _device_kind = device_kind  # module-level: the tests stand in another device kind
+
+
+def config_dict(cfg: MgpuGemmConfig) -> dict:
+    """``cfg`` as a tuning-table entry's ``config`` (enums by name): what `_tuning` reads back."""
+    return {f.name: (getattr(cfg, f.name).name if isinstance(getattr(cfg, f.name), enum.Enum) else getattr(cfg, f.name))
+            for f in dataclasses.fields(cfg)}
 
 
 @functools.cache
@@ -299,11 +296,8 @@ def fit_shared_memory(config: MgpuGemmConfig, out_dtype) -> MgpuGemmConfig:
     return config
 
 
-# Fewest K blocks dispatchers send here. Session 3 saw one K = 256 input 3.7e-2 off and raised this
-# to 4; session 4 traced that to the jitted *reference* on XLA:GPU, which had dropped its FP8
-# rounding (`fp8rl_jax.numerics.fp8.codes_to_float32`), not to this kernel: natively it is 1.3e-4 off
-# float64 at K = 256 and at K = 512 alike (Hopper's FP8 wgmma accumulation within a K block;
-# experiments/device/train_k256_diag.py).
+# Fewest K blocks dispatchers send here: the kernel is as accurate at K = 256 as at K = 512 (1.3e-4
+# off float64 natively, Hopper's FP8 wgmma accumulation within a K block).
 MIN_K_BLOCKS = 1
 
 
@@ -540,106 +534,3 @@ def fp8_gemm_mgpu(
         raise ValueError(f"{config} needs {smem} bytes of shared memory with out_dtype={out_dtype}, more than "
                          f"Hopper's {_SMEM_BYTES}; lower max_concurrent_steps or the tiles")
     return _fp8_gemm_mgpu(a, a_scale, b, b_scale_inv, out_dtype, config, _resolve_interpret(interpret))
-
-
-# ----------------------------------------------------------------------------
-# Benchmark
-
-BENCH_M = (64, 256, 2048, 8192)
-BENCH_NK = ((4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288))
-
-
-
-
-def _config_dict(cfg: MgpuGemmConfig) -> dict:
-    return {f.name: (getattr(cfg, f.name).name if isinstance(getattr(cfg, f.name), enum.Enum) else getattr(cfg, f.name))
-            for f in dataclasses.fields(cfg)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Sweep MgpuGemmConfigs over Qwen3-8B GEMM shapes; print best TFLOP/s vs XLA BF16 and the Triton fp8_gemm."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--out", default=None, help="write results as JSON to this path")
-    parser.add_argument("--m", type=int, nargs="*", default=list(BENCH_M), help="M values (default: all)")
-    parser.add_argument("--no-triton", action="store_true", help="skip timing the Triton fp8_gemm baseline")
-    parser.add_argument("--nk", type=int, nargs="*", default=None,
-                        help="N K pairs, flattened (default: the Qwen3-8B shapes)")
-    parser.add_argument("--decode-sweep", action="store_true", help="sweep DECODE_SWEEP_CONFIGS instead")
-    parser.add_argument("--tuning-out", default=None,
-                        help="write the best config per (M bucket, N, K) on this device kind as a tuning table "
-                             f"(the library reads {TUNING_FILE.name} next to this file)")
-    args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print(f"fp8_gemm_mgpu benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); nothing to do.")
-        return 0
-
-    from fp8rl_jax.numerics import fp8 as fp8_ref
-    from pallas_kernels.fp8_gemm import fp8_gemm
-
-    key = jax.random.key(0)
-    results = []
-    nk = BENCH_NK if args.nk is None else tuple(zip(args.nk[::2], args.nk[1::2]))
-    configs = DECODE_SWEEP_CONFIGS if args.decode_sweep else SWEEP_CONFIGS
-    entries = []
-    for n, k in nk:
-        for m in args.m:
-            # R distinct input sets per timed replay (replay_ms): ~2 GB of FP8 operands, 2 to 16 sets.
-            R = int(min(16, max(2, 2e9 // (m * k + n * k))))
-            keys = jax.random.split(jax.random.fold_in(key, m * 100003 + n * 7 + k), 2 * R)
-            xs = [jax.random.normal(keys[2 * r], (m, k), jnp.bfloat16) for r in range(R)]
-            ws = [jax.random.normal(keys[2 * r + 1], (n, k), jnp.bfloat16) for r in range(R)]
-            qws = [fp8_ref.quantize_weight_blockwise(w) for w in ws]
-            qas = [fp8_ref.quantize_activations(x) for x in xs]
-            sets = [(qa, sa, w.q, w.scale_inv) for (qa, sa), w in zip(qas, qws)]
-            (qa, sa), qw = qas[0], qws[0]
-            flop = 2.0 * m * n * k
-            ref = fp8_gemm_reference(qa, sa, qw.q, qw.scale_inv, out_dtype=jnp.float32)
-            row = {"M": m, "N": n, "K": k, "input_sets": R, "configs": []}
-            best = None
-            for cfg in configs:
-                if n % cfg.cluster_tile_n:
-                    continue
-                try:
-                    # bf16 out (what is timed): some sweep configs do not fit f32 epilogue buffers in SMEM.
-                    out = fp8_gemm_mgpu(qa, sa, qw.q, qw.scale_inv, config=cfg, interpret=False).astype(jnp.float32)
-                    err = float(jnp.max(jnp.abs(out - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
-                    ms = replay_ms(lambda *a, cfg=cfg: fp8_gemm_mgpu(*a, config=cfg, interpret=False), sets)
-                except Exception as e:  # report and go on
-                    row["configs"].append({"config": _config_dict(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                    print(f"  M={m} N={n} K={k} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                tf = flop / (ms * 1e-3) / 1e12
-                row["configs"].append({"config": _config_dict(cfg), "ms": ms, "tflops": tf, "max_rel_err_bf16_out": err,
-                                       "is_default": cfg == default_config(m, n, k)})
-                if best is None or ms < best[1]:
-                    best = (cfg, ms, tf, err)
-            ms_bf16 = replay_ms(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.bfloat16), list(zip(xs, ws)))
-            tf_bf16 = flop / (ms_bf16 * 1e-3) / 1e12
-            row["xla_bf16"] = {"ms": ms_bf16, "tflops": tf_bf16}
-            triton = ""
-            if not args.no_triton:
-                ms_tr = replay_ms(lambda *a: fp8_gemm(*a, interpret=False), sets)
-                row["triton_fp8_gemm_default"] = {"ms": ms_tr, "tflops": flop / (ms_tr * 1e-3) / 1e12}
-                triton = f" | Triton fp8_gemm {row['triton_fp8_gemm_default']['tflops']:7.1f}"
-            if best is not None:
-                row["best"] = {"config": _config_dict(best[0]), "ms": best[1], "tflops": best[2], "max_rel_err_bf16_out": best[3]}
-                entries.append({"device_kind": _device_kind(), "m_bucket": m_bucket(m), "n": n, "k": k,
-                                "config": _config_dict(best[0]), "ms": best[1], "tflops": best[2]})
-                c = best[0]
-                print(f"M={m:5d} N={n:5d} K={k:5d}: mgpu fp8 {best[2]:7.1f} TFLOP/s ({best[1]:.3f} ms, tm={c.tile_m} "
-                      f"tn={c.tile_n} wg={c.wg_dimension.name} s={c.max_concurrent_steps} minor={c.grid_minor_dim.name} "
-                      f"w={c.grid_tile_width}, err {best[3]:.1e}) | XLA bf16 {tf_bf16:7.1f}{triton}", flush=True)
-            else:
-                print(f"M={m} N={n} K={k}: every config failed; XLA bf16 {tf_bf16:.1f} TFLOP/s", flush=True)
-            results.append(row)
-            if args.out:
-                write_results(args.out, results)
-            if args.tuning_out:  # after every shape: a run cut by its time limit keeps what it measured
-                write_tuning(args.tuning_out, merged_tuning(TUNING_FILE, entries))
-    if args.out:
-        print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ with both operands float8_e4m3fn and the DeepSeek-V3 / vLLM block scales of
 
 * ``a_scale float32 [M, ceil(K/128)]``: per-token 1x128 groups;
 * ``b_scale_inv float32 [E, ceil(N/128), ceil(K/128)]``: 128x128 blocks per
-  expert (the ``QuantizedWeight`` of stacked experts ``[E, N, K]``).
+  expert (`pallas_kernels.fp8_quant.quantize_weight` of stacked experts ``[E, N, K]``).
 
 Math, per row r of group g (the reference does the same in float32)::
 
@@ -54,7 +54,8 @@ scales are blocked over N only, and the expert is a dynamic index. As in
 [kb, M]`` and the block scales expanded to one per row of B, ``[E, kb, N]``
 (E*N*K/32 bytes, 1/32 of the FP8 weight bytes, rebuilt by XLA on every
 call), so each K step reads one contiguous scale vector per operand. ``swap_ab`` tiles instead load
-all their K steps' scales once, before the K loop (``preload_scales``; measured faster on the H200).
+all their K steps' scales once, before the K loop (``preload_scales``: Triton does not pipeline
+loads that feed no dot).
 
 Edges: M, N, K need not be multiples of the tiles; loads are masked on the
 axes that need it (static flags), stores always mask rows. ``group_sizes``
@@ -69,9 +70,7 @@ grouped_gemm``): with `pallas_kernels.common.enable_fp8_wgmma` (installed at
 import) Triton runs each FP8 dot on wgmma when the dot's M side is a multiple
 of 64: ``block_m >= 64``, or ``swap_ab`` with ``block_n >= 64`` (m64n16k32 for
 16 token rows). Smaller M sides stay on Ampere-style ``mma.sync`` over
-operands converted to float16 in registers, which is what every config ran
-before session 12 (jax's lowering builds ``tt.dot`` without
-``maxNumImpreciseAcc``, and Triton then refuses wgmma for FP8 -> float32).
+operands converted to float16 in registers.
 
 Deviations / limits: E4M3 only; out bf16, f16 or f32; the tensor core's
 accumulation within one 128-wide K block is the hardware's (reduced
@@ -82,13 +81,8 @@ persistent grid, so up to E padding programs per N tile start and exit at once.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import jax
@@ -96,8 +90,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (device_kind, enable_fp8_wgmma, m_bucket, merged_tuning, replay_gpu_ms,
-                                   resolve_interpret, run_environment, tuning_entries, write_tuning)
+from pallas_kernels.common import device_kind, enable_fp8_wgmma, m_bucket, resolve_interpret, tuning_entries
 
 enable_fp8_wgmma()  # FP8 dots on wgmma, not the float16 mma.sync fallback (see its note)
 
@@ -132,9 +125,9 @@ class GroupedGemmConfig:
         registers (a one-hot sum: exact). Loaded inside the loop (False, and always without
         ``swap_ab``) they are plain global loads that Triton does not pipeline: the TTGIR shows
         them after each step's wgmma wait and before the next step's cp.async, a memory round trip
-        per K step. H200, 30B-A3B experts at 256 tokens (session 13): 66-70 against 75-81 us a
-        call. Without ``swap_ab`` the weight scales are a ``[kb, block_n]`` tile whose registers
-        cost occupancy (64 x 128: 215 registers, 2 CTAs/SM, 70 -> 80 us), so it is not offered.
+        per K step (preloading is ~10% faster at the 30B-A3B decode shapes). Without ``swap_ab``
+        the weight scales are a ``[kb, block_n]`` tile whose registers cost occupancy, so it is
+        not offered.
         Used only where the scales fit (`preload_scales`).
     """
 
@@ -176,14 +169,13 @@ SWEEP_CONFIGS = (
     GroupedGemmConfig(32, 128, 4, 4, swap_ab=True),
     GroupedGemmConfig(16, 128, 4, 6, swap_ab=True),
     # 32 token rows: one tile per expert at 256 decode tokens (uniform top-8 routing: <= ~30 rows an expert),
-    # where 16-row tiles give half the experts a second tile (session 13: 3.55 TB/s of weights at 64 tokens,
-    # one tile each, against 3.04 at 256)
+    # where 16-row tiles give half the experts a second tile
     GroupedGemmConfig(32, 64, 4, 4, swap_ab=True),
 )
 
 
-# Measured tuning (``main --tuning-out``): per device kind, the fastest config of each (M bucket, N,
-# K) timed on it; `default_config` uses an entry only on the device kind it was measured on.
+# Measured tuning (``python -m experiments.bench grouped_gemm --tuning-out``): per device kind, the fastest
+# config of each (M bucket, N, K) timed on it; `default_config` uses an entry only on that device kind.
 TUNING_FILE = Path(__file__).with_name("fp8_grouped_gemm_tuning.json")
 _device_kind = device_kind  # module-level: the tests stand in another device kind
 
@@ -195,7 +187,7 @@ def _tuning(kind: str) -> dict[tuple[int, int, int], GroupedGemmConfig]:
 
 
 # Untuned shapes at decode sizes (M <= DECODE_ROWS rows): the config measured best on both 30B-A3B expert shapes
-# at 256 tokens (session 13: 66-70 us of GPU time with preloaded scales, 64 x 128 tiles 70-86).
+# at 256 tokens.
 DECODE_ROWS = 2048
 DECODE_CONFIG = GroupedGemmConfig(16, 128, 4, 4, swap_ab=True)
 
@@ -466,7 +458,7 @@ def fp8_grouped_gemm(
       config: tiling (`GroupedGemmConfig`); None uses `DEFAULT_CONFIG`.
       interpret: None runs natively on a GPU backend and in interpret mode otherwise.
       a_scale_t: ``a_scale`` comes transposed, ``[ceil(K/128), M]``, the kernel's layout
-        (`fp8rl_jax.quant.quantize_activations_t` writes it from the quantization itself), so the
+        (`pallas_kernels.act_quant.quantize_1x128` writes it from the quantization itself), so the
         call transposes nothing.
 
     Returns:
@@ -502,8 +494,8 @@ def grouped_gemm(
 ) -> jax.Array:
     """Unscaled grouped ``A @ B[g]^T`` (bfloat16 or float32 operands of one dtype, float32
     accumulation): the BF16 MoE expert matmul of the generator, the same work items and tiles as
-    `fp8_grouped_gemm` with plain dots per 128-wide K block. XLA's ``ragged_dot`` ran at ~5 TFLOP/s
-    on the H200 on Qwen3-30B-A3B expert shapes (session 2), the FP8 kernel of this file at 135-145.
+    `fp8_grouped_gemm` with plain dots per 128-wide K block (XLA's ``ragged_dot`` is far slower on
+    GPU, see docs/performance.md).
 
     Args:
       a: ``[M, K]`` activations, rows sorted by group.
@@ -577,190 +569,3 @@ def fp8_grouped_gemm_reference(a, a_scale, b, b_scale_inv, group_sizes, *, out_d
 
     acc, _ = jax.lax.scan(step, jnp.zeros((m, n), jnp.float32), (af, bf, a_scale.T, sb))
     return jnp.where(in_group[:, None], acc, 0.0).astype(out_dtype)
-
-
-# ----------------------------------------------------------------------------
-# Benchmark: Qwen3-30B-A3B experts (E=128, top-8, D=2048, F=768)
-
-BENCH_E, BENCH_TOP_K = 128, 8
-BENCH_TOKENS = (64, 256, 2048, 8192)
-# name -> (N, K): gate or up [E, 768, 2048], fused gate+up [E, 1536, 2048], down [E, 2048, 768].
-BENCH_SHAPES = {"gate_up": (768, 2048), "gate_up_fused": (1536, 2048), "down": (2048, 768)}
-ROUTINGS = ("uniform", "skewed")
-# The slice of SWEEP_CONFIGS timed per regime (M = tokens * 8), to keep compile time in one device call.
-SMALL_M_CONFIGS = (*SWEEP_CONFIGS[:4], *SWEEP_CONFIGS[8:13])  # M <= 2048 (the swap_ab ones included)
-LARGE_M_CONFIGS = (SWEEP_CONFIGS[3], SWEEP_CONFIGS[4], SWEEP_CONFIGS[5], SWEEP_CONFIGS[6], SWEEP_CONFIGS[7])
-
-
-@functools.partial(jax.jit, static_argnames=("tokens", "routing", "e", "top_k"))
-def route(key: jax.Array, tokens: int, routing: str, e: int = BENCH_E, top_k: int = BENCH_TOP_K) -> jax.Array:
-    """group_sizes [E] of ``tokens`` tokens each sent to ``top_k`` distinct experts.
-
-    uniform: every expert equally likely. skewed: Gumbel top-k on logits -1.2 * log(rank + 1) (a
-    Zipf-like popularity: a few hot experts and a long tail, some experts often empty).
-    """
-    if routing == "uniform":
-        logits = jnp.zeros((e,), jnp.float32)
-    elif routing == "skewed":
-        logits = -1.2 * jnp.log(jnp.arange(1, e + 1, dtype=jnp.float32))
-    else:
-        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-    gumbel = jax.random.gumbel(key, (tokens, e), jnp.float32)
-    _, experts = jax.lax.top_k(logits[None, :] + gumbel, top_k)
-    return jnp.bincount(experts.reshape(-1), length=e).astype(jnp.int32)
-
-
-def _time_ms(fn, arg_sets, shared=(), n_replays: int = 10, gpu: bool = False) -> tuple[float, jax.Array]:
-    """(ms per call, first output) of ``fn(*args, *shared)``: len(arg_sets) calls on distinct inputs in
-    one jit, so neither dispatch overhead nor one input's cache residency is measured. The weights come
-    in ``shared`` as jit arguments (closed over, they would become HLO constants). ``gpu``: the calls'
-    kernels' GPU time (`replay_gpu_ms` busy: the work items and scale layouts included, the launch gaps
-    of a wall clock not, as in the decode step's CUDA graph); else the median wall clock of
-    ``n_replays`` runs."""
-    if gpu:
-        res, outs = replay_gpu_ms(fn, [(*args, *shared) for args in arg_sets], with_outputs=True)
-        return res["busy_ms"], outs[0]
-    run = jax.jit(lambda sets, shared: tuple(fn(*args, *shared) for args in sets))
-    first = jax.block_until_ready(run(arg_sets, shared))[0]
-    times = []
-    for _ in range(n_replays):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(arg_sets, shared))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times) / len(arg_sets), first
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Time the grouped FP8 GEMM on Qwen3-30B-A3B expert shapes (configs per M regime); TFLOP/s
-    against XLA's bf16 ragged_dot and the dense fp8_gemm on the same total work."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--out", default=None, help="write results as JSON to this path (after every row)")
-    parser.add_argument("--tokens", type=int, nargs="*", default=list(BENCH_TOKENS), help="tokens (M = tokens * 8)")
-    parser.add_argument("--shapes", nargs="*", default=["gate_up", "down"], choices=list(BENCH_SHAPES))
-    parser.add_argument("--routing", nargs="*", default=list(ROUTINGS), choices=list(ROUTINGS))
-    parser.add_argument("--all-configs", action="store_true", help="time every SWEEP_CONFIG on every shape")
-    parser.add_argument("--reps", type=int, default=4, help="distinct activation sets per timed jit")
-    parser.add_argument("--timing", choices=("gpu", "wall"), default="gpu",
-                        help="gpu: the kernels' GPU time per call (what a call costs inside the decode step's CUDA "
-                             "graph; session 13 saw 0.15 ms of wall clock around 75 us of kernel); wall: median wall "
-                             "clock of 10 replays")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="start no new row after this many seconds (skipped rows are listed)")
-    parser.add_argument("--tuning-out", default=None,
-                        help="write the best config per (M bucket, N, K) on this device kind (uniform routing) as a "
-                             f"tuning table, merged into {TUNING_FILE.name}'s entries")
-    args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print(f"fp8_grouped_gemm benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
-              "nothing to do.")
-        return 0
-
-    from fp8rl_jax.numerics import fp8 as fp8_ref
-    from pallas_kernels import fp8_gemm as gemm_kernel
-
-    t_start = time.perf_counter()
-    _time = functools.partial(_time_ms, gpu=args.timing == "gpu")
-
-    def bf16_ragged(x, w, gs):
-        return jax.lax.ragged_dot_general(x, w, gs, _RAGGED_DN, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-
-    dense_configs = (gemm_kernel.GemmConfig(64, 128, 4, 4), gemm_kernel.DEFAULT_CONFIG)
-    key = jax.random.key(0)
-    weights = {}
-    for name in args.shapes:
-        n, k = BENCH_SHAPES[name]
-        w = jax.random.normal(jax.random.fold_in(key, n * 7 + k), (BENCH_E, n, k), jnp.bfloat16) * 0.05
-        weights[name] = (w, fp8_ref.quantize_weight_blockwise(w), fp8_ref.quantize_weight_blockwise(w[0]))
-    out = {**run_environment(), "E": BENCH_E, "top_k": BENCH_TOP_K,
-           "timing": (f"GPU time (replay_gpu_ms busy) of {args.reps} calls on distinct activations in one jit, per call"
-                      if args.timing == "gpu" else
-                      f"median of 10 replays of {args.reps} calls on distinct activations in one jit, per call"),
-           "results": [], "skipped": []}
-
-    def save():
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
-
-    tuned: list[dict] = []
-    for tokens in args.tokens:
-        m = tokens * BENCH_TOP_K
-        configs = SWEEP_CONFIGS if args.all_configs else (SMALL_M_CONFIGS if m <= 2048 else LARGE_M_CONFIGS)
-        for name in args.shapes:
-            n, k = BENCH_SHAPES[name]
-            if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
-                out["skipped"].append({"shape": name, "tokens": tokens})
-                print(f"budget: skipped {name} tokens={tokens}", flush=True)
-                continue
-            w, qw, qw_dense = weights[name]
-            xs = [jax.random.normal(jax.random.fold_in(key, 1000 * tokens + r), (m, k), jnp.bfloat16)
-                  for r in range(args.reps)]
-            qxs = [fp8_ref.quantize_activations(x) for x in xs]
-            flop = 2.0 * m * n * k
-            dense = []
-            for cfg in dense_configs:
-                ms, _ = _time(lambda qa, sa, q, s, cfg=cfg: gemm_kernel.fp8_gemm(
-                    qa, sa, q, s, config=cfg, interpret=False), qxs, (qw_dense.q, qw_dense.scale_inv))
-                dense.append({"config": dataclasses.asdict(cfg), "ms": ms, "tflops": flop / (ms * 1e-3) / 1e12})
-            dense = min(dense, key=lambda r: r["ms"])
-            for routing in args.routing:
-                gs = route(jax.random.fold_in(key, tokens), tokens, routing, BENCH_E, BENCH_TOP_K)
-                row = {"shape": name, "tokens": tokens, "M": m, "N": n, "K": k, "routing": routing,
-                       "nonempty_groups": int(jnp.sum(gs > 0)), "max_group": int(jnp.max(gs)), "configs": []}
-                ref = fp8_grouped_gemm_reference(*qxs[0], qw.q, qw.scale_inv, gs, out_dtype=jnp.float32)
-                ref_max = float(jnp.max(jnp.abs(ref)))
-                best = None
-                for cfg in configs:
-                    try:
-                        ms, got = _time(lambda qa, sa, q, s, g, cfg=cfg: fp8_grouped_gemm(
-                            qa, sa, q, s, g, config=cfg, interpret=False), qxs, (qw.q, qw.scale_inv, gs))
-                        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref))) / (ref_max + 1e-30)
-                    except Exception as ex:  # report and go on
-                        row["configs"].append({"config": dataclasses.asdict(cfg),
-                                               "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
-                        continue
-                    res = {"config": dataclasses.asdict(cfg), "ms": ms, "tflops": flop / (ms * 1e-3) / 1e12,
-                           "max_rel_err_bf16_out": err}
-                    row["configs"].append(res)
-                    if best is None or ms < best["ms"]:
-                        best = res
-                ms_bf16, _ = _time(bf16_ragged, [(x,) for x in xs], (w, gs))
-                row["xla_bf16_ragged_dot"] = {"ms": ms_bf16, "tflops": flop / (ms_bf16 * 1e-3) / 1e12}
-                try:  # the unscaled BF16 twin (the generator's BF16 MoE), at the FP8 kernel's best tiles
-                    cfg = GroupedGemmConfig(**best["config"]) if best is not None else DEFAULT_CONFIG
-                    ms_g, _ = _time(lambda x, q, g, cfg=cfg: grouped_gemm(x, q, g, config=cfg, interpret=False),
-                                       [(x,) for x in xs], (w, gs))
-                    row["bf16_grouped_gemm"] = {"config": dataclasses.asdict(cfg), "ms": ms_g,
-                                                "tflops": flop / (ms_g * 1e-3) / 1e12}
-                except Exception as ex:  # report and go on
-                    row["bf16_grouped_gemm"] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
-                row["dense_fp8_gemm"] = dense
-                row["best"] = best
-                out["results"].append(row)
-                save()
-                if args.tuning_out and best is not None and routing == "uniform":
-                    tuned.append({"device_kind": device_kind(), "m_bucket": m_bucket(m), "n": n, "k": k,
-                                  "config": best["config"], "ms": best["ms"], "tflops": best["tflops"]})
-                    write_tuning(args.tuning_out, merged_tuning(TUNING_FILE, tuned))
-                if best is None:
-                    print(f"{name} tokens={tokens} {routing}: every config failed: {row['configs'][0]['error']}",
-                          flush=True)
-                    continue
-                c = best["config"]
-                print(f"{name:13s} tokens={tokens:5d} M={m:6d} {routing:7s} ({row['nonempty_groups']:3d} experts, "
-                      f"max {row['max_group']:5d} rows): grouped fp8 {best['tflops']:6.1f} TFLOP/s "
-                      f"({best['ms']:.3f} ms, bm={c['block_m']} bn={c['block_n']} w={c['num_warps']} "
-                      f"s={c['num_stages']}{'' if c['n_fastest'] else ' items-fastest'}"
-                      f"{' swap_ab' if c['swap_ab'] else ''}, err {best['max_rel_err_bf16_out']:.1e}) | XLA bf16 ragged_dot "
-                      f"{row['xla_bf16_ragged_dot']['tflops']:6.1f} ({ms_bf16:.3f} ms) | bf16 grouped "
-                      f"{row['bf16_grouped_gemm'].get('tflops', float('nan')):6.1f} | dense fp8_gemm "
-                      f"{dense['tflops']:6.1f} ({dense['ms']:.3f} ms)", flush=True)
-    out["wall_s"] = time.perf_counter() - t_start
-    save()
-    if args.out:
-        print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

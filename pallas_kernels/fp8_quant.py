@@ -1,79 +1,147 @@
-"""Fused blockwise FP8 weight quantization (Pallas, Triton lowering).
+"""Blockwise FP8 weight quantization in one pass (Pallas, Triton lowering), and the FP8 reference maths.
 
-Design note
-===========
+What: ``w [N, K]`` (or stacked ``[E, N, K]``) in bf16/f32 -> ``q float8_e4m3fn [..., N, K]`` and
+``scale_inv float32 [..., ceil(N/128), ceil(K/128)]`` with ``w ~= q * scale_inv`` per 128x128 block: the
+HF/vLLM ``weight`` / ``weight_scale_inv`` layout. The kernel reads w once and writes q and the scales
+once (the pure-jnp reference materializes float32 copies).
 
-What: ``w [N, K]`` (or stacked ``[E, N, K]``) in bf16/f32 -> ``q float8_e4m3fn
-[..., N, K]`` and ``scale_inv float32 [..., ceil(N/128), ceil(K/128)]`` with
-``w ~= q * scale_inv`` per 128x128 block: the HF/vLLM ``weight`` /
-``weight_scale_inv`` layout. One pass over HBM: read w once, write q and the
-scales once (the pure-jnp reference materializes float32 copies).
-
-Math: bit-identical to `fp8rl_jax.quant.quantize_weight_blockwise` with its
-defaults (E4M3, ``ScaleRounding.FP32``, block (128, 128)):
+The module also holds the block-scaling maths every FP8 kernel and the library share, in plain jnp
+(`quantize_blocks_reference`, `scale_from_amax`, `saturating_cast`, `codes_to_float32`):
 
 * ``amax = max |x|`` over the block, in float32 (bf16 upcasts exactly);
-* ``s = amax / 448`` with a correctly rounded IEEE division, floored at the
-  smallest normal float32, and ``s = 1.0`` for an all-zero block;
-* ``q = cast_rne(clip(x * (1 / s), -448, 448))`` with ``1 / s`` an IEEE
-  division formed once per block.
+* ``s = amax / fmt_max`` with a correctly rounded IEEE division, floored at the smallest normal
+  float32, and ``s = 1.0`` for an all-zero block (optionally rounded up to a power of two);
+* ``q = cast_rne(clip(x * (1 / s), -fmt_max, fmt_max))`` with ``1 / s`` formed once per block.
 
-Rounding pins (why the kernel is not just ``/``):
+Rounding pins (why the kernel is not just ``/``): Triton lowers a float32 ``arith.divf`` to the
+approximate ``div.full.f32`` (2 ulp), so on the GPU both divisions are inline PTX ``div.rn.f32``. In
+interpret mode the body runs through XLA:CPU, whose simplifier rewrites ``amax / 448.0`` into
+``amax * f32(1/448)``; the divisor is hidden behind ``optimization_barrier`` as in the reference. The
+cast is Triton's ``cvt.rn.satfinite`` after an explicit clip, so saturation matches `saturating_cast`.
+The bit-exact reference runs on XLA:CPU (`quantize_weight_reference`): XLA:GPU turns the reference's
+division into a multiply by the reciprocal (one ulp low on about half the scales), while ``div.rn``
+matches float64.
 
-* Triton lowers a float32 ``arith.divf`` to the approximate ``div.full.f32``
-  (2 ulp). On the GPU both divisions are therefore inline PTX ``div.rn.f32``
-  (what Triton's own ``div_rn`` emits).
-* In interpret mode the kernel body runs through XLA on the CPU, whose
-  algebraic simplifier rewrites ``amax / 448.0`` into ``amax * f32(1/448)``;
-  the divisor is hidden behind ``optimization_barrier`` exactly as the
-  reference does.
-* The cast: Triton's f32 -> e4m3 conversion is ``cvt.rn.satfinite`` (round to
-  nearest even); the explicit clip makes the saturation identical to
-  `saturating_cast`.
+Tiling: one program per ``(block_n, block_k)`` tile (multiples of 128), looping statically over its
+128x128 blocks. Edge tiles use masked loads (padding reads as 0, which never raises a block's amax)
+and masked stores, so no padded copy of ``w`` is made. A stacked ``[E, N, K]`` weight gets a leading
+grid axis. `quantize_weight_concat` writes several parts into one buffer (aliased launches).
 
-Testing: bit-exactness is checked against the reference evaluated on XLA:CPU
-(`quantize_weight_reference` pins it there): on the H200, XLA:GPU turned the
-reference's ``amax / 448`` into a multiply by the reciprocal (1 ulp low on
-about half the scales), while this kernel's ``div.rn`` matched float64.
-
-Layout / tiling: one program per ``(block_n, block_k)`` tile (multiples of
-128; 128x128 by default), looping statically over its 128x128 quantization
-blocks. Edge tiles are handled with masked loads (padding reads as 0, which
-never raises a block's amax, the same convention as the reference's zero
-padding) and masked stores, so no padded copy of ``w`` is ever made. A stacked
-``[E, N, K]`` weight gets a leading grid axis; 2-D inputs run as ``E = 1``.
-
-Deviations: only E4M3 with FP32 scales and 128x128 quantization blocks are
-implemented (the checkpoint format we export); other options stay on the
-reference path. On the GPU, float32 *subnormal* inputs (|x| < 1.18e-38) are
-flushed to zero (Triton's default, as in XLA:GPU), while XLA:CPU keeps them; so
-bit-exactness holds for inputs without subnormals (bf16 weights of a trained
-model hold none in practice). NaN/Inf input gives garbage as in the reference (NaN amax
-propagation through Triton's max may differ from XLA's); guard with
-`fp8rl_jax.quant.count_nonfinite` upstream.
+Limits: the kernel does E4M3 with FP32 scales and 128x128 blocks only (the exported checkpoint
+format); other options use the reference. On the GPU, float32 subnormal inputs are flushed to zero
+(Triton's default), so bit-exactness holds for inputs without subnormals. NaN/Inf input gives
+garbage as in the reference; guard with a non-finite count upstream.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import sys
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-
-from pallas_kernels.common import median_ms, resolve_interpret
 from jax.experimental.pallas import triton as plgpu
 
-from fp8rl_jax.numerics import fp8 as fp8_ref
+from pallas_kernels.common import resolve_interpret
 
 QBLOCK = 128  # quantization block edge (rows and columns)
-E4M3_MAX = fp8_ref.E4M3_MAX
-_F32_TINY = float(np.finfo(np.float32).tiny)
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): E4M3_MAX, jnp.dtype(jnp.float8_e5m2): E5M2_MAX}
+F32_TINY = float(np.finfo(np.float32).tiny)  # the floor on scales, so 1/scale is finite
+ZERO_BLOCK_SCALE = 1.0  # the scale of an all-zero block or group
 _SUPPORTED_IN = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------
+# Reference maths (plain jnp; the library wraps it in its own types and checks)
+
+
+def saturating_cast(x: jax.Array, dtype=jnp.float8_e4m3fn) -> jax.Array:
+    """Clip to the FP8 ``dtype``'s finite range, then round to nearest even: finite or infinite inputs
+    never give Inf/NaN codes; NaN stays NaN."""
+    fmt_max = FP8_MAX[jnp.dtype(dtype)]
+    return jnp.clip(x, -fmt_max, fmt_max).astype(dtype)
+
+
+def codes_to_float32(q: jax.Array) -> jax.Array:
+    """FP8 codes as float32, exactly, even when they were produced in the same jitted program.
+
+    XLA:GPU may delete a float32 -> float8 -> float32 chain of converts inside one jitted program as
+    "excess precision" (``xla_allow_excess_precision``, on by default), so a quantize-then-dequantize
+    inside one jit would silently skip the quantization (a jitted FP8 reference linear came out 3.7e-2
+    off its eager result on Hopper, 1.2e-7 with this barrier). The optimization barrier on the codes
+    keeps the rounding; everything else still fuses around it."""
+    return jax.lax.optimization_barrier(q).astype(jnp.float32)
+
+
+def round_scale_pow2(scale: jax.Array) -> jax.Array:
+    """Exact ``2**ceil(log2(scale))`` for positive normal float32 ``scale``, on the bits: the exponent
+    goes up by one unless the mantissa is zero. NaN and Inf (exponent 255) pass through."""
+    bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    rounded = jnp.minimum(exponent + (mantissa != 0).astype(jnp.int32), 255) << 23
+    pow2 = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+    return jnp.where(jnp.isfinite(scale), pow2, scale)
+
+
+def scale_from_amax(amax: jax.Array, fmt_max: float = E4M3_MAX, pow2: bool = False) -> jax.Array:
+    """float32 scale ``amax / fmt_max``: floored at the smallest normal float32, 1.0 where ``amax == 0``,
+    rounded up to a power of two when ``pow2``."""
+    # XLA's simplifier turns `amax / 448.0` into `amax * f32(1/448)`, one float32 ulp off the IEEE
+    # division (PyTorch/HF/vLLM) for about half the blocks; a divisor behind an optimization barrier
+    # keeps a true division (the array is one per block).
+    divisor = jax.lax.optimization_barrier(jnp.full(amax.shape, fmt_max, jnp.float32))
+    scale = amax / divisor
+    scale = jnp.maximum(scale, jnp.float32(F32_TINY))  # propagates NaN
+    scale = jnp.where(amax == 0, jnp.float32(ZERO_BLOCK_SCALE), scale)
+    return round_scale_pow2(scale) if pow2 else scale
+
+
+def pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """``x`` zero-padded at the end of ``axis`` to ``size`` (zeros never raise a block's amax)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def quantize_blocks_reference(w: jax.Array, block_size: Sequence[int] = (QBLOCK, QBLOCK),
+                              dtype=jnp.float8_e4m3fn, pow2_scales: bool = False) -> tuple[jax.Array, jax.Array]:
+    """A weight ``[..., N, K]`` quantized with one float32 scale per ``(bn, bk)`` block (edge blocks
+    zero-padded inside and sliced back): ``(q [..., N, K], scale_inv [..., ceil(N/bn), ceil(K/bk)])``."""
+    bn, bk = block_size
+    *lead, n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    x = w.astype(jnp.float32)
+    x = pad_axis(pad_axis(x, -2, nb * bn), -1, kb * bk)
+    x = x.reshape(*lead, nb, bn, kb, bk)
+    amax = jnp.max(jnp.abs(x), axis=(-3, -1))
+    scale = scale_from_amax(amax, FP8_MAX[jnp.dtype(dtype)], pow2_scales)
+    inv = jnp.float32(1.0) / scale
+    q = saturating_cast(x * inv[..., :, None, :, None], dtype)
+    return q.reshape(*lead, nb * bn, kb * bk)[..., :n, :k], scale
+
+
+def quantize_weight_reference(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The kernel's pure-jnp twin: `quantize_blocks_reference` (E4M3, FP32 scales, 128x128) run on
+    XLA:CPU, which keeps the IEEE division (XLA:GPU does not: module note). Returns CPU arrays."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return _quantize_weight_cpu(jax.device_put(w, cpu))
+
+
+_quantize_weight_cpu = jax.jit(quantize_blocks_reference)
+
+
+# ----------------------------------------------------------------------------
+# Kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +172,7 @@ class QuantConfig:
 
 
 DEFAULT_CONFIG = QuantConfig()
-# Swept by main(); 128x128 is the natural unit, larger tiles amortize launch overhead.
+# The tilings the quant_kernels suite times; 128x128 is the natural unit, larger tiles amortize launches.
 SWEEP_CONFIGS = (
     QuantConfig(128, 128, 4),
     QuantConfig(128, 128, 8),
@@ -114,8 +182,9 @@ SWEEP_CONFIGS = (
 )
 
 
-def _ieee_div(a: jax.Array, b: jax.Array, native: bool) -> jax.Array:
-    """Correctly rounded float32 ``a / b`` inside a kernel, on both paths."""
+def ieee_div(a: jax.Array, b: jax.Array, native: bool) -> jax.Array:
+    """Correctly rounded float32 ``a / b`` inside a kernel: PTX ``div.rn.f32`` natively, a true
+    division (divisor behind a barrier) in interpret mode."""
     if native:
         [out] = plgpu.elementwise_inline_asm(
             "div.rn.f32 $0, $1, $2;",
@@ -126,6 +195,15 @@ def _ieee_div(a: jax.Array, b: jax.Array, native: bool) -> jax.Array:
         )
         return out
     return a / jax.lax.optimization_barrier(b)
+
+
+def kernel_scale(amax: jax.Array, native: bool) -> tuple[jax.Array, jax.Array]:
+    """Inside a kernel: `scale_from_amax` for E4M3 (FP32 scales) and its reciprocal, both IEEE
+    divisions: ``(scale, 1 / scale)``."""
+    scale = ieee_div(amax, jnp.full(amax.shape, E4M3_MAX, jnp.float32), native)
+    scale = jnp.maximum(scale, jnp.float32(F32_TINY))
+    scale = jnp.where(amax == 0, jnp.float32(ZERO_BLOCK_SCALE), scale)
+    return scale, ieee_div(jnp.ones(scale.shape, jnp.float32), scale, native)
 
 
 def _quant_kernel(w_ref, q_ref, s_ref, *, n: int, k: int, native: bool):
@@ -143,10 +221,7 @@ def _quant_kernel(w_ref, q_ref, s_ref, *, n: int, k: int, native: bool):
             tile = (pl.ds(i * QBLOCK, QBLOCK), pl.ds(j * QBLOCK, QBLOCK))
             x = plgpu.load(w_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
             amax = jnp.max(jnp.max(jnp.abs(x), axis=1, keepdims=True), axis=0, keepdims=True)
-            scale = _ieee_div(amax, jnp.full(amax.shape, E4M3_MAX, jnp.float32), native)
-            scale = jnp.maximum(scale, jnp.float32(_F32_TINY))
-            scale = jnp.where(amax == 0, jnp.float32(1.0), scale)
-            inv = _ieee_div(jnp.ones(scale.shape, jnp.float32), scale, native)
+            scale, inv = kernel_scale(amax, native)
             q = jnp.clip(x * inv, -E4M3_MAX, E4M3_MAX).astype(q_ref.dtype)
             plgpu.store(q_ref.at[tile], q, mask=mask)
             s_ok = ((rows0 // QBLOCK + i) * QBLOCK < n) & ((cols0 // QBLOCK + j) * QBLOCK < k)
@@ -182,14 +257,12 @@ def _quantize_stacked(w: jax.Array, config: QuantConfig, interpret: bool) -> tup
     )(w)
 
 
-
-
 def quantize_weight(
     w: jax.Array,
     config: QuantConfig | None = None,
     *,
     interpret: bool | None = None,
-) -> fp8_ref.QuantizedWeight:
+) -> tuple[jax.Array, jax.Array]:
     """Quantize ``w [N, K]`` or ``[E, N, K]`` to E4M3 with float32 128x128 block scales.
 
     Args:
@@ -199,9 +272,8 @@ def quantize_weight(
         otherwise; True/False force it.
 
     Returns:
-      ``QuantizedWeight(q float8_e4m3fn [..., N, K], scale_inv float32
-      [..., ceil(N/128), ceil(K/128)], block_size=(128, 128))``, bit-identical
-      to `quantize_weight_reference(w)`.
+      ``(q float8_e4m3fn [..., N, K], scale_inv float32 [..., ceil(N/128), ceil(K/128)])``,
+      bit-identical to `quantize_weight_reference(w)`.
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, QuantConfig):
@@ -219,7 +291,7 @@ def quantize_weight(
     q, s = _quantize_stacked(stacked, config, interpret)
     if w.ndim == 2:
         q, s = q[0], s[0]
-    return fp8_ref.QuantizedWeight(q=q, scale_inv=s, block_size=(QBLOCK, QBLOCK))
+    return q, s
 
 
 def _concat_part_kernel(w_ref, *refs, kernel):
@@ -273,10 +345,10 @@ def quantize_weight_concat(
     config: QuantConfig | None = None,
     *,
     interpret: bool | None = None,
-) -> fp8_ref.QuantizedWeight:
+) -> tuple[jax.Array, jax.Array]:
     """`quantize_weight` of the parts ``ws`` (``[N_i, K]`` each) concatenated on the output axis, without
     the concatenation: each part is quantized straight into its rows of one buffer. The generator's
-    fused q/k/v and gate/up weights (`fp8rl_jax.models.fusion`), which a weight sync would otherwise
+    fused q/k/v and gate/up weights, which a weight sync would otherwise
     quantize part by part and then copy into place. Every part but the last must have ``N_i % 128 ==
     0`` (so no 128x128 block straddles two parts); the result is bit-identical to concatenating the
     parts' `quantize_weight` results. ``config.block_n`` must be 128."""
@@ -300,99 +372,4 @@ def quantize_weight_concat(
         if i < len(ws) - 1 and w.shape[0] % QBLOCK:
             raise ValueError(f"part {i} has N={w.shape[0]}, not a multiple of {QBLOCK}: its last block would "
                              "straddle the next part")
-    q, s = _quantize_concat(ws, config, interpret)
-    return fp8_ref.QuantizedWeight(q=q, scale_inv=s, block_size=(QBLOCK, QBLOCK))
-
-
-def quantize_weight_reference(w: jax.Array) -> fp8_ref.QuantizedWeight:
-    """The pure-jnp twin: `fp8rl_jax.quant.quantize_weight_blockwise` (E4M3, FP32 scales, 128x128), run on the CPU.
-
-    Pinned to the CPU backend because XLA:GPU does not keep the reference's
-    IEEE division: on the H200 (jax 0.11.2) its ``amax / 448`` came out as
-    ``amax * f32(1/448)`` (one ulp low on about half the blocks, then ~4e-4 of
-    the codes move) despite the optimization barrier; XLA:CPU and this kernel
-    both give the correctly rounded quotient (checked against float64).
-    Returns arrays on the CPU.
-    """
-    cpu = jax.devices("cpu")[0]
-    w = jax.device_put(w, cpu)
-    with jax.default_device(cpu):
-        return fp8_ref.quantize_weight_blockwise(
-            w, (QBLOCK, QBLOCK), fp8_ref.Fp8Format.E4M3, fp8_ref.ScaleRounding.FP32
-        )
-
-
-# ----------------------------------------------------------------------------
-# Benchmark
-
-# Qwen3-8B linear weights per layer, [N, K] = [out, in]; 36 layers.
-QWEN3_8B_LAYER_SHAPES = {
-    "q": (4096, 4096),
-    "k": (1024, 4096),
-    "v": (1024, 4096),
-    "o": (4096, 4096),
-    "gate": (12288, 4096),
-    "up": (12288, 4096),
-    "down": (4096, 12288),
-}
-QWEN3_8B_LAYERS = 36
-HBM_COPY_CEILING_BPS = 4.3e12  # measured device-to-device copy, read+write (GPU.md)
-
-
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Time quantizing all Qwen3-8B linear weights (bf16) per config; print ms and % of HBM copy ceiling."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--layers", type=int, default=QWEN3_8B_LAYERS)
-    args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print("fp8_quant benchmark needs a GPU (jax.default_backend() is "
-              f"{jax.default_backend()!r}); nothing to do.")
-        return 0
-
-    # One stacked [L, N, K] array per projection: same bytes as L separate weights.
-    key = jax.random.key(0)
-    weights = {}
-    for i, (name, (n, k)) in enumerate(QWEN3_8B_LAYER_SHAPES.items()):
-        weights[name] = jax.random.normal(jax.random.fold_in(key, i), (args.layers, n, k), jnp.bfloat16)
-    n_bytes = 0
-    for n, k in QWEN3_8B_LAYER_SHAPES.values():
-        n_bytes += args.layers * (n * k * 2 + n * k + pl.cdiv(n, QBLOCK) * pl.cdiv(k, QBLOCK) * 4)
-
-    # Correctness spot check on one real-size weight before timing.
-    got = quantize_weight(weights["k"][0])
-    want = quantize_weight_reference(weights["k"][0])
-    same = np.array_equal(np.asarray(got.q).view(np.uint8), np.asarray(want.q).view(np.uint8)) and np.array_equal(
-        np.asarray(got.scale_inv).view(np.uint32), np.asarray(want.scale_inv).view(np.uint32))
-    print(f"bit-exact vs reference on k_proj [1024, 4096]: {same}")
-
-    def run_all(cfg):
-        return [quantize_weight(w, cfg, interpret=False) for w in weights.values()]
-
-    print(f"Qwen3-8B, {args.layers} layers, {n_bytes / 1e9:.2f} GB moved per pass "
-          f"(bf16 read + fp8 write + scales); ceiling {HBM_COPY_CEILING_BPS / 1e12:.1f} TB/s")
-    best = None
-    for cfg in SWEEP_CONFIGS:
-        try:
-            ms = median_ms(lambda cfg=cfg: run_all(cfg))
-        except Exception as e:  # a config that fails to compile is reported, not fatal
-            print(f"  {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        bps = n_bytes / (ms * 1e-3)
-        print(f"  {cfg}: {ms:8.3f} ms  {bps / 1e9:8.1f} GB/s  {100 * bps / HBM_COPY_CEILING_BPS:5.1f}% of copy")
-        if best is None or ms < best[1]:
-            best = (cfg, ms)
-
-    ref_jit = jax.jit(fp8_ref.quantize_weight_blockwise)  # on the GPU: XLA's fusion, for speed only
-    ms_ref = median_ms(lambda: [ref_jit(w) for w in weights.values()])
-    bps_ref = n_bytes / (ms_ref * 1e-3)
-    print(f"  XLA:GPU jit(quantize_weight_blockwise): {ms_ref:8.3f} ms  {bps_ref / 1e9:8.1f} GB/s  "
-          f"{100 * bps_ref / HBM_COPY_CEILING_BPS:5.1f}% of copy")
-    if best is not None:
-        print(f"best: {best[0]} total {best[1]:.3f} ms, {n_bytes / (best[1] * 1e-3) / 1e9:.1f} GB/s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return _quantize_concat(ws, config, interpret)

@@ -1,47 +1,24 @@
-"""Decode-step KV write (Pallas, Triton lowering): one new key and value per row into the page pools, in place.
+"""Decode-step KV write (Pallas, Triton lowering): each row's new key and value into the page pools, in place.
 
-Design note
-===========
+`kv_write`: row b's ``k_new[b], v_new[b]`` ``[K, H]`` go to slot ``slot[b]`` of page ``page[b]`` of the
+pools ``[P, page_size, K, H]`` (the ``PagedKVCache`` layout); rows whose page is outside ``[0, P)``
+(finished or empty slots, padding) write nothing. FP8 pools store ``saturating_cast(x / scale)`` (clip to
++-448, round to nearest even), other pools ``x`` cast to the pool dtype. One program per row stores its
+``[K, H]`` tile (one token's heads, contiguous in the pool) with masked vector stores; the pools are
+aliased to the outputs (``input_output_aliases``), so under ``jit`` with the pools donated or carried in a
+loop the update is in place and nothing else is read or written. XLA lowers the same update
+(``pool.at[page, slot].set(x)``, the twin `kv_write_reference`) to a much slower scatter. Under tensor
+parallelism the cache runs it per kv-head shard: rows, pages and slots are the same on every shard.
 
-What: the write half of a decode step's attention. Row b's new key and value ``k_new[b], v_new[b]``
-``[K, H]`` (after k-norm and RoPE, in the compute dtype) go to slot ``slot[b]`` of page
-``page[b]`` of the pools ``[P, page_size, K, H]`` (the ``PagedKVCache`` layout); rows whose
-``page[b]`` is outside ``[0, P)`` (finished or empty slots, padding) write nothing. FP8 pools
-store ``saturating_cast(x * inv_scale)`` (clip to +-448, round to nearest even), exactly the
-cache's ``_store``; other pools store ``x`` cast to the pool dtype.
-
-Why a kernel: XLA lowers the cache's ``pool.at[page, slot].set(x)`` to a scatter that measured
-2.2 ms per Qwen3-8B decode step (72 scatters of 256 rows x 2 KB) on a BF16 pool and 5.9 ms on
-an FP8 one (H200, ``experiments/profile_decode.py``), 6-16% of the step, for 38 MB (BF16) of
-writes. Here one program per row stores its ``[K, H]`` key and value tile (contiguous in the
-pool: one token's heads) with masked vector stores; the pools are aliased to the outputs
-(``input_output_aliases``), so nothing else is read or written and, under ``jit`` with the pool
-donated or carried in a loop, the update is in place.
-
-Math: none beyond the cast; bitwise equal to the reference twin (`kv_write_reference`, the
-scatter the cache used). Under tensor parallelism the cache runs it per kv-head shard
-(``shard_map``): rows, pages and slots are the same on every shard.
-
-The q/k/v epilogue in the same pass (`qkv_rope_write`)
-------------------------------------------------------
-What: the generator runs q, k and v as one GEMM (``models/fusion.py``); between that GEMM and the
-attention kernel a decode step splits its output, RMS-normalizes q and k per head (Qwen3's
-q_norm / k_norm), rotates both (RoPE), and writes k and v to the pools. XLA ran that as six
-kernels per layer on the H200 (session 20's HLO of the Qwen3-8B decode step at 256 rows: q norm
-82, k norm 65, q RoPE 73, k RoPE 58, v's slice copy 72 and the write 76 us per step, 426 us,
-~2.7% of the mode-all step). `qkv_rope_write` does it in one program per row: it reads the row's
-``[(N + 2K) H]`` GEMM output once, writes q ``[N, H]`` (normalized and rotated, the attention
-kernel's input) and stores the new k and v at ``(page[b], slot[b])`` of the pools, in place.
-
-Math: exactly the model's ops in their order (`models.policy.rms_norm`, `models.attention.
-apply_rope`): per head ``y = w * bf16(x * rsqrt(mean(x^2) + eps))`` with the mean in float32, then
-``y * c + rot(y) * s`` with ``c, s`` the row's cos / sin cast to q's dtype and ``rot(y) = [-y[H/2:],
-y[:H/2]]``, every product and the sum rounded to q's dtype as XLA rounds them. The rotated half
-is read as a second, permuted load of the same row (``(h + H/2) mod H``, normalized with the same
-per-head factor), so no register tile is sliced. The reference twin is that composition
-(`qkv_rope_write_reference`); interpret mode equals it bit for bit, and on the GPU the tests allow
-XLA:GPU's reassociations and excess precision (one bf16 rounding step on a few elements).
-Tensor-parallel caches keep the separate ops (the q/k/v columns are sharded by head there).
+`qkv_rope_write`: a decode step's q/k/v epilogue and KV write in one pass. One program per row reads the
+row's ``[(N + 2K) H]`` fused q/k/v GEMM output once, RMS-normalizes q and k per head (Qwen3's q_norm /
+k_norm), rotates both (RoPE), writes q ``[N, H]`` (the attention kernel's input) and stores k and v in
+the pools as `kv_write` does. The maths is the model's ops in their order: per head
+``y = w * (x * rsqrt(mean(x^2) + eps))`` with the mean in float32 and the product in q's dtype, then
+``y * c + rot(y) * s`` with ``c, s`` cast to q's dtype and ``rot(y) = [-y[H/2:], y[:H/2]]``. The rotated
+half is a second, permuted load of the same row (``(h + H/2) mod H``), so no register tile is sliced.
+Interpret mode equals the twin (`qkv_rope_write_reference`) bit for bit; on the GPU XLA's composition
+may differ by a bf16 rounding step on a few elements (reassociation, excess precision).
 """
 
 from __future__ import annotations
@@ -53,10 +30,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.act_quant import rms_norm_reference
 from pallas_kernels.common import resolve_interpret
+from pallas_kernels.fp8_quant import saturating_cast
 
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
-E4M3_MAX = 448.0
 
 
 def _pow2(x: int) -> bool:
@@ -71,7 +49,7 @@ def supports(num_kv_heads: int, head_dim: int) -> bool:
 
 def _cast(x: jax.Array, inv_scale: jax.Array, dtype) -> jax.Array:
     if jnp.dtype(dtype) == _FP8:
-        return jnp.clip(x.astype(jnp.float32) * inv_scale, -E4M3_MAX, E4M3_MAX).astype(dtype)
+        return saturating_cast(x.astype(jnp.float32) * inv_scale, dtype)
     return x.astype(dtype)
 
 
@@ -315,8 +293,7 @@ def qkv_rope_write(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: ja
       k_pages, v_pages, page, slot, k_scale, v_scale: as `kv_write` (pools aliased, rows whose page is
         outside ``[0, P)`` write nothing).
       num_heads: N. q_eps, k_eps: the norms' epsilons.
-      num_warps: per program (one row); 8 timed fastest on the H200 at 64 and 256 rows (session 22: 4.4 us at
-        256 rows against 5.5 with 4 and 11.4 for the ops it replaces).
+      num_warps: per program (one row); 8 is the fastest measured at 64 and 256 rows.
 
     Returns:
       ``(q [B, N, H], k_pages, v_pages)``: q normalized and rotated in qkv's dtype, the pools updated.
@@ -329,109 +306,27 @@ def qkv_rope_write(qkv: jax.Array, q_norm: jax.Array, k_norm: jax.Array, cos: ja
                            num_warps=num_warps, interpret=resolve_interpret(interpret))
 
 
+def _norm_rope_reference(x, weight, eps: float, cos, sin):
+    """Heads ``x [B, n, H]`` RMS-normalized with ``weight [H]`` and rotated by ``cos, sin [B, H]`` (float32),
+    each op rounded to x's dtype as the model rounds it: the twin of `_norm_rope_tile`."""
+    y = rms_norm_reference(x, weight, eps)
+    h = x.shape[-1] // 2
+    rot = jnp.concatenate([-y[..., h:], y[..., :h]], axis=-1)
+    return y * cos[:, None, :].astype(x.dtype) + rot * sin[:, None, :].astype(x.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("num_heads", "q_eps", "k_eps"))
 def qkv_rope_write_reference(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, page, slot, k_scale, v_scale, *,
                              num_heads: int, q_eps: float, k_eps: float):
-    """Pure-jnp twin: the model's ops (split, `rms_norm`, `apply_rope` per part) and `kv_write_reference`."""
-    from fp8rl_jax.models.attention import apply_rope  # the models import this module
-    from fp8rl_jax.models.policy import rms_norm
-
+    """Pure-jnp twin: split, per-head RMS norm and RoPE (`_norm_rope_reference`), then `kv_write_reference`."""
     _check_qkv(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, page, slot, k_scale, v_scale, num_heads)
     B = qkv.shape[0]
     K, H = k_pages.shape[2:]
     q, k, v = jnp.split(qkv, [num_heads * H, (num_heads + K) * H], axis=-1)
-    cs, sn = cos[:, None, :], sin[:, None, :]
-    q = apply_rope(rms_norm(q.reshape(B, 1, num_heads, H), q_norm, q_eps), cs, sn)[:, 0]
-    k = apply_rope(rms_norm(k.reshape(B, 1, K, H), k_norm, k_eps), cs, sn)[:, 0]
+    q = _norm_rope_reference(q.reshape(B, num_heads, H), q_norm, q_eps, cos, sin)
+    k = _norm_rope_reference(k.reshape(B, K, H), k_norm, k_eps, cos, sin)
+    # k rounded to its dtype before the FP8 cast, as the kernel and the model store it: without the barrier
+    # XLA may fuse the chain and keep its float32 value (excess precision)
+    k = jax.lax.optimization_barrier(k)
     k_pages, v_pages = kv_write_reference(k, v.reshape(B, K, H), k_pages, v_pages, page, slot, k_scale, v_scale)
     return q, k_pages, v_pages
-
-
-def main(argv: list[str] | None = None) -> int:
-    """GPU time of `qkv_rope_write` against the ops it replaces (the model's norms and RoPE as XLA fuses them,
-    then the `kv_write` kernel), at Qwen3-8B's attention shape: ``python -m pallas_kernels.kv_write --rows 64 256
-    --out r.json``. Each timed program chains ``--sets`` calls on distinct inputs through donated pools (the
-    engine's in-place write), run once under the profiler; GPU time is the sum of its kernels per call. Bytes
-    moved: the q/k/v row read, q written, k and v written to the pools. Off the GPU the kernels run in interpret
-    mode and no GPU time is recorded (NaN): a smoke test of the script."""
-    import argparse
-    import tempfile
-
-    from fp8rl_jax.models.attention import rope_cos_sin
-    from pallas_kernels.common import trace_kernels, write_results
-
-    p = argparse.ArgumentParser(description="time the fused q/k/v epilogue + KV write against the composition")
-    p.add_argument("--rows", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("N", "K", "H"))
-    p.add_argument("--pools", nargs="+", default=["float8_e4m3fn", "bfloat16"])
-    p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8, 16])
-    p.add_argument("--sets", type=int, default=6)
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    n, k, h = args.heads
-    eps = 1e-6
-    rows_out = []
-
-    def composition(qkv, qn, kn, cos, sin, kp, vp, page, slot, ks, vs):
-        from fp8rl_jax.models.attention import apply_rope
-        from fp8rl_jax.models.policy import rms_norm
-
-        b = qkv.shape[0]
-        q, kk, v = jnp.split(qkv, [n * h, (n + k) * h], axis=-1)
-        q = apply_rope(rms_norm(q.reshape(b, 1, n, h), qn, eps), cos[:, None], sin[:, None])[:, 0]
-        kk = apply_rope(rms_norm(kk.reshape(b, 1, k, h), kn, eps), cos[:, None], sin[:, None])[:, 0]
-        kp, vp = kv_write(kk, v.reshape(b, k, h), kp, vp, page, slot, ks, vs)
-        return q, kp, vp
-
-    for pool_name, b in ((pn, b) for pn in args.pools for b in args.rows):
-        pool_dtype = jnp.dtype(pool_name)
-        num_pages, ps = 4 * b, 16
-        key = jax.random.key(b)
-        sets = []
-        for i in range(args.sets):
-            kq, kpos, key = jax.random.split(key, 3)
-            qkv = (jax.random.normal(kq, (b, (n + 2 * k) * h), jnp.float32) * 4).astype(jnp.bfloat16)
-            pos = jax.random.randint(kpos, (b, 1), 0, 4096)
-            cos, sin = rope_cos_sin(pos, h, 1e6)
-            page = (jnp.arange(b, dtype=jnp.int32) * 4 + i % 4) % num_pages
-            sets.append((qkv, cos[:, 0], sin[:, 0], page, jnp.full((b,), i % ps, jnp.int32)))
-        qn = jnp.ones((h,), jnp.bfloat16)
-        kn = jnp.ones((h,), jnp.bfloat16)
-        ks, vs = jnp.float32(0.05), jnp.float32(0.02)
-        moved = b * ((n + 2 * k) * h * 2 + n * h * 2 + 2 * k * h * pool_dtype.itemsize)
-        impls = [("composition", None, composition)]
-        impls += [("kernel", w, functools.partial(
-            lambda qkv, qn, kn, cos, sin, kp, vp, page, slot, ks, vs, w: qkv_rope_write(
-                qkv, qn, kn, cos, sin, kp, vp, page, slot, ks, vs, num_heads=n, q_eps=eps, k_eps=eps, num_warps=w),
-            w=w)) for w in args.warps]
-        for name, warps, fn in impls:
-            def run(pools, sets, fn=fn):
-                kp, vp = pools
-                qs = []
-                for qkv, cos, sin, page, slot in sets:
-                    q, kp, vp = fn(qkv, qn, kn, cos, sin, kp, vp, page, slot, ks, vs)
-                    qs.append(q)
-                return qs, (kp, vp)
-
-            step = jax.jit(run, donate_argnums=0)
-            pools = (jnp.zeros((num_pages, ps, k, h), pool_dtype), jnp.zeros((num_pages, ps, k, h), pool_dtype))
-            _, pools = jax.block_until_ready(step(pools, sets))
-            with tempfile.TemporaryDirectory() as d:
-                jax.profiler.start_trace(d)
-                _, pools = jax.block_until_ready(step(pools, sets))
-                jax.profiler.stop_trace()
-                by_name, _, _ = trace_kernels(d)
-            us = sum(by_name.values()) / len(sets) or float("nan")  # no GPU kernels off the GPU
-            rows_out.append({"pool": pool_name, "rows": b, "heads": [n, k, h], "impl": name, "num_warps": warps,
-                             "gpu_us": us, "gbps": moved / us / 1e3,
-                             "kernels": {kk_[:80]: round(v / len(sets), 3)
-                                         for kk_, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]}})
-            print(f"{pool_name:14s} B={b:4d} {name:11s} warps={warps} {us:8.2f} us {moved / us / 1e3:7.0f} GB/s "
-                  f"{list(rows_out[-1]['kernels'])[:3]}", flush=True)
-    if args.out:
-        write_results(args.out, rows_out)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

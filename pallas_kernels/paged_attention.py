@@ -1,129 +1,47 @@
 """Paged-attention decode (Pallas, Triton lowering): one new query token per row over a paged KV pool.
 
-Design note
-===========
+Row b has one query ``q [B, N, H]`` (its key and value already written) and ``lengths[b]`` valid keys
+in pages of ``page_size`` tokens: key ``j`` lives at ``k_pages[page_table[b, j // page_size], j %
+page_size]``. Pools are ``[P, page_size, K, H]`` (`KvLayout.NHD`, the ``PagedKVCache`` layout) or
+``[P, K, page_size, H]`` (HND), bfloat16, float32 or float8_e4m3fn with one float32 dequantization
+scale per tensor (``K ~= k8 * k_scale``). Output ``[B, N, H]`` in q's dtype.
 
-What: the decode step of the rollout engine. Row b has one query ``q [B, N, H]`` (already
-written into the cache) and ``lengths[b]`` valid keys (the new one included), stored in pages
-of ``page_size`` tokens: key ``j`` of row b lives at ``k_pages[page_table[b, j // page_size],
-j % page_size]``. Pools are ``[P, page_size, K, H]`` (the ``PagedKVCache`` layout) in bfloat16,
-float32 or float8_e4m3fn with one float32 dequantization scale per tensor (``k_scale``,
-``v_scale``: ``K ~= k8 * k_scale``). Output ``[B, N, H]`` in q's dtype.
+Work split (flash-decoding): one program per (row, kv head, split). A program attends the ``G = N / K``
+query heads of its kv head as one ``[Gp, H]`` tile, ``Gp = max(16, next_pow2(G))`` (a Triton dot's M;
+the padding rows are loaded as zeros and never stored), so each K/V tile is read once per GQA group. A
+row of ``n`` pages takes ``min(ceil(n / pages_per_split), S)`` splits of equal page ranges: the split
+depends on the row's own length only, so a row's result does not depend on its batch (bit for bit).
+Within a split the program walks blocks of ``pages_per_block`` pages, each one 2-D ``[tokens, H]``
+element gather with a page id per token row (16-byte ``cp.async`` loads that feed the dots directly).
+Only pages below a row's length are read; the loads past the length are masked, page ids clamped to
+``[0, P)``, so garbage table entries never reach the output. With more than one split, every program
+writes a float32 partial and its log-sum-exp, combined by a second kernel (`_combine`).
 
-Only the pages below ``ceil(lengths[b] / page_size)`` are read: the page-table entries past a
-row's length may hold garbage (free or foreign pages, out-of-range ids) and never reach the
-output. In the kernel the loads of those pages and of the tokens past the length in the last
-page are masked off (no memory traffic); page ids are also clamped to ``[0, P)`` so a garbage
-id inside the length cannot fault. The dense path it replaces gathered all ``max_pages`` pages
-of every row (``kp[page_table]``), i.e. bytes proportional to the longest possible row.
+Math (`paged_attention_reference` is the same in one block per row)::
 
-Grid and split-K (flash-decoding): one program per (row b, kv head k, split s). It handles all
-``G = N / K`` query heads of its kv head (GQA: the KV tile is read once for the group), as a
-``[Gp, H]`` tile with ``Gp = max(16, next_pow2(G))`` rows (the Triton dot needs M >= 16;
-the program loads the padding rows as zeros from q as given and stores only the real rows, so
-neither a padded q nor a padded output exists in memory). Row b of ``n = ceil(len / page_size)`` pages is
-split into ``S_b = min(ceil(n / pages_per_split), S)`` ranges of ``pps = ceil(n / S_b)``
-pages, ``S = min(ceil(max_pages / pages_per_split), max_splits)`` being the grid's static split
-axis; programs ``s >= S_b`` find an empty range and write an empty partial (lse = float32
-min, weight exactly 0 in the combine). So a long row is not serialized on one SM, small batches
-still fill the GPU, and the split of a row depends on its own length and the config only: the
-result of a row is independent of the batch it is in (batch invariance, bit for bit). Inside a
-split the program walks blocks of ``pages_per_block`` pages: one element gather of
-``[pages_per_block, page_size, H]`` (page ids from the table, masked past the range/length)
-per step, contiguous along H so the loads coalesce.
+    s_j = (q . k8_j) * (k_scale * H**-0.5)      # float32 accumulation
+    online softmax over blocks in float32; p cast to the dot dtype; acc += p @ v8
+    out = acc / l * v_scale
 
-Math (the reference does the same in the same order, in one block)::
+The scales multiply the float32 logits and output, not the ``tokens x H`` tiles, so FP8 costs storage
+precision only. FP8 tiles convert exactly to the dot dtype; with ``fp8_dot_dtype="float16"`` and
+``fp8_word_gather`` the pool is gathered as uint32 words of four E4M3 values, split into four byte
+planes in registers (``prmt`` + packed ``cvt.f16x2.e4m3x2``), each plane a dot over ``H / 4``.
+float32 operands use IEEE dots (``Precision.HIGHEST``).
 
-    c = k_scale * H**-0.5                            # one float32 scalar
-    s_j = (q . k8_j) * c                            # k8 upcast to q's dtype (exact for E4M3 ->
-                                                     # bf16/f32/f16; FP8 pools may use float16
-                                                     # dots, `fp8_dot_dtype`), float32 accumulation
-    online softmax over blocks, float32:  m, l, acc   (masked logits = float32 min)
-    p_j = exp(s_j - m) cast to q's dtype, acc += p @ v8 (float32 accumulation)
-    out = acc / l * v_scale                          (per split: o_s = acc_s / l_s,
-                                                      lse_s = m_s + log l_s; splits combined
-                                                      with weights exp(lse_s - max lse))
-
-Scales are applied to the logits and to the output rather than dequantizing the K/V tiles:
-per block that is ``Gp * tokens`` multiplies instead of ``tokens * H`` (8x fewer at H = 128),
-and it is exact in float32 up to one rounding. So FP8 costs storage precision only: logits,
-softmax and the PV sum accumulate in float32 (the tensor-core dot of upcast bf16 operands
-accumulates in float32), there is no low-precision accumulation whose error grows with
-context. float32 operands use IEEE dots (``Precision.HIGHEST``), never TF32.
-
-Differences from the old dense path (``PagedKVCache`` reading ``kp[page_table]`` into
-``dot_attention``): that path rounded ``k8 * k_scale`` to q's dtype before the dot and
-normalized the probabilities before P@V; here the scale stays in float32 and the division comes
-last. Both are within rounding of the float64 result (tests).
-
-Layout constraints: ``page_size``, ``pages_per_block`` and ``H`` powers of two (Triton tiles),
-``H >= 16``, ``N % K == 0``; ``pages_per_block`` is raised to ``16 / page_size`` for pages
-under 16 tokens (a dot needs N >= 16). The page table is padded in the wrapper
-by ``pages_per_block`` columns so a block's page-id slice never runs past it.
-
-Deviations / limits: with S > 1 every program writes a float32 partial ``[G, H]`` and lse
-(empty splits too; only the G real rows of the padded group, when G is a power of two, else all
-Gp), combined by a second kernel (`_combine`, one program per row; its twin `_combine_reference` is the
-XLA ops it replaced, which ran as two fusions, 5.1 + 1.6 us a layer at 256 rows on the H200, session 22):
-``S * B * K * G * H * 4`` bytes written and read again, ~2% of the FP8 KV bytes at W1's decode shapes
-(S = 3; writing all Gp = 16 rows for G = 4 made it ~9%); with S = 1 the kernel writes the output
-directly. The tensor-core work is padded too (M = 16 for
-G = 4), harmless while decode is bandwidth-bound. A Mosaic GPU version would add TMA page
-loads (one descriptor copy per page, by page id) into a multi-stage shared-memory ring so the
-next pages stream while the current block computes, wgmma with M = 64 filled by the GQA group
-of several kv heads or rows, warp-specialized producer/consumer warpgroups, and an in-kernel
-split combine (no partials round trip); the Triton version relies on ``num_stages`` software
-pipelining of the gathers. E4M3 q.K dots (the query quantized per row, K fed as stored) were
-built and compiled offline for sm_90 (session 7): at M = 16 Triton 3.6 lowers an E4M3 dot to
-float16 ``mma.sync`` after the same per-element conversions (MMAv2; wgmma needs M >= 64), so they
-saved no instruction and cost the query's rounding; not kept. Session 18 put the keys as M (blocks
-of 64+ tokens, 4 warps, ``maxNumImpreciseAcc`` from `pallas_kernels.common.enable_fp8_wgmma`), which
-compiles to wgmma on K's E4M3 tile as stored (fewer loop instructions offline), but on the H200
-(session 19, B = 256, context <= 2048) its best config took 0.283 ms against 0.260 ms for the table's
-FP8 config, with 12x the output error (4.2e-2 against 3.5e-3); removed.
-
-Several kv heads per program (``kv_heads_per_program``, session 11): the heads of a program share
-the block loop and each block's page-id load, and their K/V gathers are issued together, so a
-program holds that many times the bytes in flight per dependent page-id load; in the NHD layout
-the heads of one token are adjacent, so two heads' FP8 rows form one 256-byte run. Results are
-the bits of one head per program (tests). Offline sm_90 codegen of the FP8 table config (4 pages,
-2 warps, 5 stages, word gather): 162 registers, 5 CTAs per SM with one head; 252 registers, 3
-CTAs per SM with two; four heads spill. Not yet timed on the GPU.
-
-Tuning: `default_config` takes the config measured fastest for the pool dtype on this device kind
-from ``paged_attention_tuning.json`` (``main --tuning-out``, or another table named by
-``FP8RL_PAGED_ATTENTION_TUNING``); on the H200 at B = 256, context <= 2048: BF16 8 pages/block,
-4 warps, 2 stages, 82.3% of the HBM copy ceiling; FP8 4 pages/block, 2 warps, 5 stages, float16
-dots with the word gather, 64.4% (bfloat16 dots at best 46%). Session 16: the same configs with a
-row's kv heads launched side by side (``heads_fastest``, now the table's) 86.0% / 66.7%, against
-82.1% / 64.3% rows-fastest on that machine (about 1% of W1 kv's decode step in the engine); the HND
-layout timed 88.2% / 68.7%. One-warp configs time a little
-faster (82.7% BF16, 65.8% FP8) but every W1 rollout that decoded with one stopped advancing
-15-60 s in (sessions 5-6; the cause is not known: alone, 20 s of back-to-back calls at W1's shapes
-did not stall them), so the table holds configs of 2 warps or more, which ran W1 to the end.
-
-Codegen (Triton 3.6 offline for sm_90, ``experiments/inspect_triton_codegen.py``): the K/V gather
-is one 2-D ``[tokens, H]`` pointer tile with a page id per token row, so both K and V go through
-16-byte ``cp.async`` into shared memory and feed ``mma.sync m16n8k16`` via ``ldmatrix`` (a
-``[pages, page_size, H]`` tile reshaped to ``[tokens, H]`` kept V out of the async pipeline: plain
-register loads stored to shared memory every block, 168 instead of 80-94 registers at 4 pages
-bfloat16). The page-id load is an indirection level of its own: Triton gives each level
-``(num_stages - 1) // 2`` slots, so ``num_stages`` 2-4 leave one K/V buffer that is waited for
-(``cp.async.wait_group 0``) at the top of the very next block (no overlap of loads with compute
-inside a program; only other programs hide the latency), and ``num_stages = 5`` (7) keeps one (two)
-blocks in flight. With M = 16 (the padded GQA group) the 4 warps split the keys, so the row max and
-sum and the P operand cross warps through shared memory: 9 barriers per block (2 with one warp).
+Tuning: `PagedAttentionConfig`. `default_config` takes the measured best per pool dtype for this
+device kind from ``paged_attention_tuning.json`` (``python -m experiments.bench paged_attention
+--tuning-out``; ``FP8RL_PAGED_ATTENTION_TUNING`` names another table). Tables hold configs of two
+warps or more (one-warp configs stalled long rollouts). Constraints: ``page_size``,
+``pages_per_block`` and ``H`` powers of two, ``H >= 16``, ``N % K == 0``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
 import functools
 import os
-import sys
-import time
 from pathlib import Path
 
 import jax
@@ -132,8 +50,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (device_kind, median_ms, resolve_interpret, tuning_entries, write_results,
-                                   write_tuning)
+from pallas_kernels.common import device_kind, resolve_interpret, tuning_entries
 
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), _FP8)
@@ -177,12 +94,9 @@ class PagedAttentionConfig:
       fp8_word_gather: with float16 dots on an FP8 pool (head dim a multiple of 64), gather the
         pool as uint32 words of 4 E4M3 values and split them into 4 byte planes in registers (one
         ``prmt`` + one packed ``cvt`` per two words, inline PTX), each plane a dot of H / 4: V
-        then needs no byte-wise shared-memory reads (sm_90 has no 8-bit transposing ldmatrix;
-        offline codegen: 1317 -> ~810 SASS instructions per 32-token block at 2 pages, 1 warp; on
-        the H200, B = 256, context <= 2k: 65.8% of the copy ceiling vs 60.0% for the best byte
-        gather, both one- or two-warp configs).
-        The kernel loads q and stores the output plane by plane at those head dims (natural order in
-        memory; until session 17 XLA permuted q and the output around the kernel). Ignored otherwise.
+        then needs no byte-wise shared-memory reads (sm_90 has no 8-bit transposing ldmatrix).
+        The kernel loads q and stores the output plane by plane at those head dims, so q and the
+        output keep their natural order in memory. Ignored otherwise.
       kv_heads_per_program: kv heads one program attends (a power of two; the grid's head axis shrinks by
         it). Each block's page ids are loaded once for all of them and their K/V gathers are issued
         together, so a program has that many times the bytes in flight per dependent page-id load (in
@@ -228,9 +142,9 @@ class PagedAttentionConfig:
 
 DEFAULT_CONFIG = PagedAttentionConfig()
 
-# Measured tuning (``main --tuning-out``): per device kind, the fastest config of each pool dtype at
-# the rollout's decode shape. `default_config` uses an entry only on the device kind it was measured on.
-# FP8RL_PAGED_ATTENTION_TUNING names another table (a device of your own, or a candidate to try at scale).
+# Measured tuning (``python -m experiments.bench paged_attention --tuning-out``): per device kind, the fastest
+# config of each pool dtype at the rollout's decode shape. `default_config` uses an entry only on the device kind
+# it was measured on. FP8RL_PAGED_ATTENTION_TUNING names another table (a device of your own, or a candidate).
 TUNING_FILE = Path(os.environ.get("FP8RL_PAGED_ATTENTION_TUNING") or Path(__file__).with_name(
     "paged_attention_tuning.json"))
 
@@ -254,29 +168,6 @@ def describe_config(pool_dtype) -> dict:
     the table it reads (`TUNING_FILE`, ``FP8RL_PAGED_ATTENTION_TUNING`` included) and the config."""
     return {"table": str(TUNING_FILE), "device_kind": _device_kind(),
             "config": dataclasses.asdict(default_config(pool_dtype))}
-
-
-SWEEP_CONFIGS = (
-    PagedAttentionConfig(pages_per_block=4, pages_per_split=64, num_warps=4, num_stages=2),
-    PagedAttentionConfig(pages_per_block=8, pages_per_split=32, num_warps=4, num_stages=2),
-    PagedAttentionConfig(pages_per_block=8, pages_per_split=64, num_warps=4, num_stages=3),
-    PagedAttentionConfig(pages_per_block=8, pages_per_split=64, num_warps=8, num_stages=3),
-    PagedAttentionConfig(pages_per_block=8, pages_per_split=128, num_warps=4, num_stages=2),
-    PagedAttentionConfig(pages_per_block=16, pages_per_split=64, num_warps=8, num_stages=2),
-    PagedAttentionConfig(pages_per_block=8, pages_per_split=1 << 20, num_warps=4, num_stages=2),  # no split
-    # Triton splits the num_stages - 1 pipeline slots between the page-id load and the K/V gathers
-    # that depend on it: only num_stages >= 5 double-buffers K/V (cp.async.wait_group 3 instead of
-    # 0 in the loop, offline sm_90 codegen: experiments/inspect_triton_codegen.py).
-    PagedAttentionConfig(pages_per_block=4, pages_per_split=64, num_warps=4, num_stages=5),
-    PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=4, num_stages=5),
-    PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=4, num_stages=7),
-    # one warp: no cross-warp softmax reductions (2 barriers per block instead of 9)
-    PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=1, num_stages=5),
-    # the BF16 best of session 5's wide sweep (82.7% of the copy ceiling at B = 256, ctx <= 2048)
-    PagedAttentionConfig(pages_per_block=2, pages_per_split=64, num_warps=1, num_stages=7),
-    PagedAttentionConfig(pages_per_block=4, pages_per_split=64, num_warps=1, num_stages=5),
-    PagedAttentionConfig(pages_per_block=16, pages_per_split=64, num_warps=4, num_stages=2),
-)
 
 
 def _dot_dtype(q_dtype, pool_dtype, config: PagedAttentionConfig):
@@ -458,9 +349,7 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     cdt = _dot_dtype(q.dtype, k_pages.dtype, config)
     planes = 4 if _word_gather(config, k_pages.dtype, cdt, H) else 1
     # q as given (the kernel loads the Gp = max(16, go) rows of its dots, zeros past G, and each byte plane's
-    # head dims itself): no padded or permuted copy of q, no permutation of the output. Session 17's profile had
-    # XLA write q padded to 16 rows in plane order (0.21 ms per 8B decode step, with RoPE) and transpose the
-    # output back (0.08 ms).
+    # head dims itself): no padded or permuted copy of q, no permutation of the output.
     qg = q.reshape(B, K, G, H)
     if go != G:  # a group that is no power of two: padding rows up to the next one
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, go - G), (0, 0)))
@@ -514,7 +403,7 @@ def _paged_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths,
     )(lengths.astype(jnp.int32), pt, scales, qg, k_pages, v_pages)
     if S == 1:
         out = res
-    elif _pow2(K * go * H):  # one kernel (two XLA fusions before: 5.1 + 1.6 us a layer at 256 rows on the H200)
+    elif _pow2(K * go * H):  # one kernel, where XLA runs the reference as two fusions
         out = _combine(*res, q.dtype, interpret)
     else:
         out = _combine_reference(*res, q.dtype)
@@ -678,8 +567,8 @@ _SMEM_BUDGET = 160 * 1024  # of Hopper's 227 KB per block: room for q, the accum
 def _fit_shared_memory(config: PagedAttentionConfig, k_pages: jax.Array,
                        layout: KvLayout = KvLayout.NHD) -> PagedAttentionConfig:
     """Halves ``pages_per_block`` while the K and V tiles of all pipeline stages would overflow shared
-    memory (a float32 pool at H = 128 needs 256 KB with 8 pages of 16 tokens and 2 stages: seen on the
-    H200), down to the 16-row minimum of a Triton dot."""
+    memory (a float32 pool at H = 128 needs 256 KB with 8 pages of 16 tokens and 2 stages), down to
+    the 16-row minimum of a Triton dot."""
     _, page_size, K, H = _pool_dims(k_pages, layout)
     kh = kv_heads_per_program(config, K)  # a program's tiles hold kh heads
     tile = lambda ppb: (2 * kh * ppb * page_size * H * jnp.dtype(k_pages.dtype).itemsize  # noqa: E731
@@ -720,255 +609,3 @@ def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, page_table,
     inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
     out = acc * (inv * jnp.asarray(v_scale, jnp.float32).reshape(()))[..., None]
     return out.reshape(B, N, H).astype(q.dtype)
-
-
-# ----------------------------------------------------------------------------
-# Benchmark
-
-HBM_COPY_TBPS = 4.3  # device-to-device copy ceiling on the H200 (read + write), ../shared/GPU.md
-BENCH_BATCH = (64, 256)
-BENCH_CONTEXT = (1024, 2048, 4096, 8192)
-
-
-def bytes_moved(q, k_pages, page_size: int, lengths: np.ndarray, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes the kernel must move: the KV pages below each row's length (K and V), q and out."""
-    pages = int(np.sum(-(-np.asarray(lengths) // page_size)))
-    kv = 2 * pages * page_size * num_kv_heads * head_dim * jnp.dtype(k_pages.dtype).itemsize
-    return kv + 2 * q.size * jnp.dtype(q.dtype).itemsize
-
-
-def bench_inputs(batch: int, context: int, pool_dtype, *, num_heads: int = 32, num_kv_heads: int = 8,
-                 head_dim: int = 128, page_size: int = 16, ragged: bool = False, seed: int = 0):
-    """Random decode inputs: every row at ``context`` keys (or uniform in [context/2, context] if
-    ragged), pages shuffled across the pool, one spare page-table column of garbage ids."""
-    rng = np.random.default_rng(seed)
-    max_pages = pl.cdiv(context, page_size) + 1
-    lengths = np.full((batch,), context, np.int32)
-    if ragged:
-        lengths = rng.integers(context // 2, context + 1, batch).astype(np.int32)
-    need = -(-lengths // page_size)
-    P = int(need.sum())
-    perm = rng.permutation(P).astype(np.int32)
-    table = rng.integers(-(2**20), 2**20, (batch, max_pages)).astype(np.int32)
-    off = 0
-    for b in range(batch):
-        table[b, : need[b]] = perm[off : off + need[b]]
-        off += need[b]
-    key = jax.random.key(seed)
-    kq, kk, kv = jax.random.split(key, 3)
-    shape = (P, page_size, num_kv_heads, head_dim)
-    if jnp.dtype(pool_dtype) == _FP8:
-        k_pages = (jax.random.normal(kk, shape, jnp.float32) * 64).astype(_FP8)
-        v_pages = (jax.random.normal(kv, shape, jnp.float32) * 64).astype(_FP8)
-        ks, vs = jnp.float32(1 / 64), jnp.float32(1 / 64)
-    else:
-        k_pages = jax.random.normal(kk, shape, pool_dtype)
-        v_pages = jax.random.normal(kv, shape, pool_dtype)
-        ks, vs = jnp.float32(1.0), jnp.float32(1.0)
-    q = jax.random.normal(kq, (batch, num_heads, head_dim), jnp.bfloat16)
-    return q, k_pages, v_pages, ks, vs, jnp.asarray(table), jnp.asarray(lengths)
-
-
-def chained_ms(fn, q, *rest, n: int = 8) -> float:
-    """Median milliseconds per call of ``fn(q, *rest)`` with ``n`` calls chained in one jitted
-    program (each call's q depends on the previous output, so none is merged or reordered): the
-    host dispatch is paid once per ``n`` calls. The KV bytes of every shape benchmarked exceed the
-    L2 cache many times over, so repeating the same pool measures HBM reads."""
-
-    @jax.jit
-    def run(q, *rest):
-        def body(_, x):
-            return x + (fn(x, *rest) * 0).astype(x.dtype)  # float x*0 is not folded (NaN semantics)
-
-        return jax.lax.fori_loop(0, n, body, q, unroll=True)
-
-    return median_ms(lambda: run(q, *rest)) / n
-
-
-def wide_sweep() -> tuple[PagedAttentionConfig, ...]:
-    """Block size x warps x pipeline stages (and two split sizes at the default block): the grid
-    searched when the default config is far from the roofline."""
-    grid = [PagedAttentionConfig(pages_per_block=b, pages_per_split=64, num_warps=w, num_stages=st)
-            for b in (2, 4, 8, 16) for w in (1, 4, 8) for st in (2, 3, 5, 7)]
-    grid += [PagedAttentionConfig(pages_per_split=pps) for pps in (32, 128)]
-    return tuple(c for c in grid if c != DEFAULT_CONFIG)
-
-
-def fp8_sweep() -> tuple[PagedAttentionConfig, ...]:
-    """FP8 pools, float16 dots, with and without the word gather (`fp8_word_gather`), at 2-8
-    pages per block, 2-4 warps and 4-6 stages, and the word gather with two kv heads per program
-    (`kv_heads_per_program`; first, so a cut-short run times them). No one-warp configs: they were the fastest (61-66%
-    of the copy ceiling on the H200) but every W1 rollout decoding with one stopped advancing
-    (sessions 5-6; `experiments/paged_attention_stall_hunt.py`), so the search moves to the
-    structures a table may hold (`--table-min-warps`)."""
-    base = tuple(PagedAttentionConfig(pages_per_block=b, pages_per_split=64, num_warps=w, num_stages=st,
-                                      fp8_dot_dtype="float16", fp8_word_gather=words)
-                 for words in (True, False) for b in (2, 4, 8) for w in (2, 4) for st in (4, 5, 6))
-    # two kv heads per program (session 11, not yet timed): the configs that compile offline for sm_90 without
-    # spills (experiments/inspect_triton_codegen.py --kv-heads 1 2 4: 114-252 registers, 3-4 CTAs per SM)
-    pairs = tuple(PagedAttentionConfig(pages_per_block=b, pages_per_split=64, num_warps=w, num_stages=5,
-                                       fp8_dot_dtype="float16", fp8_word_gather=True, kv_heads_per_program=2)
-                  for b in (2, 4) for w in (2, 4))
-    return pairs + base
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Sweep PagedAttentionConfigs (and pool layouts) over Qwen3-8B decode shapes; print GB/s vs
-    the HBM copy ceiling."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--out", default=None, help="write results as JSON to this path")
-    parser.add_argument("--batch", type=int, nargs="*", default=list(BENCH_BATCH))
-    parser.add_argument("--context", type=int, nargs="*", default=list(BENCH_CONTEXT))
-    parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float8_e4m3fn"])
-    parser.add_argument("--layouts", nargs="*", default=[KvLayout.NHD.value], choices=[x.value for x in KvLayout])
-    parser.add_argument("--quick", action="store_true", help="default config only (no sweep)")
-    parser.add_argument("--wide", action="store_true", help="sweep `wide_sweep()` instead of SWEEP_CONFIGS")
-    parser.add_argument("--fp8-focus", action="store_true",
-                        help="sweep `fp8_sweep()` (float16 dots only) instead of SWEEP_CONFIGS")
-    parser.add_argument("--fp8-dot-dtypes", nargs="*", default=list(_FP8_DOT_DTYPES), choices=_FP8_DOT_DTYPES,
-                        help="for FP8 pools, time every config with each of these dot dtypes")
-    parser.add_argument("--tuning-out", default=None,
-                        help="write the best config per pool dtype on this device kind as a tuning table (the "
-                             f"library reads {TUNING_FILE.name} next to this file); from the largest shape run")
-    parser.add_argument("--table-min-warps", type=int, default=2,
-                        help="--tuning-out takes the fastest config with at least this many warps: every W1 "
-                             "rollout whose decode used a one-warp config stopped advancing 15-60 s in (H200, "
-                             "sessions 5-6), while 2- and 4-warp configs ran W1 to the end (session 7); alone, "
-                             "the one-warp configs did not stall (experiments/paged_attention_stall_hunt.py)")
-    parser.add_argument("--table-only", action="store_true",
-                        help="time the tuning table's config of each pool dtype only (with --orders / --kv-heads "
-                             "variants), no sweep")
-    parser.add_argument("--orders", nargs="*", default=None, choices=["rows", "heads"],
-                        help="launch orders to time every config in (`PagedAttentionConfig.heads_fastest`; "
-                             "default: each config's own)")
-    parser.add_argument("--kv-heads", type=int, nargs="*", default=None,
-                        help="also time every config with these kv_heads_per_program")
-    parser.add_argument("--pages-per-split", type=int, nargs="*", default=None,
-                        help="time each config at each of these pages_per_split (1048576: no split)")
-    parser.add_argument("--equal", action="store_true",
-                        help="every row at the full context (W1's shape) instead of ragged in [context/2, context]")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="after this many seconds, time the default config only (keeps a device run bounded)")
-    args = parser.parse_args(argv)
-    t_start = time.perf_counter()
-    if jax.default_backend() != "gpu":
-        print(f"paged_attention benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
-              "nothing to do.")
-        return 0
-    sweep = wide_sweep() if args.wide else fp8_sweep() if args.fp8_focus else SWEEP_CONFIGS
-    # the table's config (this device's measured best, if any) is timed first, next to DEFAULT_CONFIG
-    first = tuple(dict.fromkeys(default_config(jnp.dtype(d)) for d in args.dtypes))
-
-    def variants(cs):  # each config in every launch order (and kv heads per program) asked for
-        return tuple(dict.fromkeys(dataclasses.replace(c, heads_fastest=hf, kv_heads_per_program=kh)
-                                   for c in cs for kh in (c.kv_heads_per_program, *(args.kv_heads or ()))
-                                   for hf in ([c.heads_fastest] if args.orders is None else
-                                              [o == "heads" for o in args.orders])))
-
-    configs = variants((DEFAULT_CONFIG,) if args.quick else tuple(dict.fromkeys((DEFAULT_CONFIG, *first, *sweep))))
-    results, tuned = [], {}
-    for batch in args.batch:  # bf16 and fp8 side by side per shape, so a cut-short run compares them
-        for context in args.context:
-            for dtype_name in args.dtypes:
-                q, kp_nhd, vp_nhd, ks, vs, table, lengths = bench_inputs(batch, context, jnp.dtype(dtype_name),
-                                                                        ragged=not args.equal)
-                nbytes = bytes_moved(q, kp_nhd, kp_nhd.shape[1], np.asarray(lengths), kp_nhd.shape[2],
-                                     kp_nhd.shape[3])
-                ref = paged_attention_reference(q, kp_nhd, vp_nhd, ks, vs, table, lengths).astype(jnp.float32)
-                for layout in map(KvLayout, args.layouts):
-                    if layout is KvLayout.HND:
-                        kp, vp = (jnp.transpose(x, (0, 2, 1, 3)) for x in (kp_nhd, vp_nhd))
-                    else:
-                        kp, vp = kp_nhd, vp_nhd
-                    shape_configs = variants((default_config(jnp.dtype(dtype_name)),)) if args.table_only else configs
-                    if args.pages_per_split:
-                        shape_configs = tuple(dict.fromkeys(dataclasses.replace(c, pages_per_split=n)
-                                                            for c in shape_configs for n in args.pages_per_split))
-                    if jnp.dtype(dtype_name) == _FP8 and not (args.fp8_focus or args.table_only):
-                        shape_configs = tuple(dict.fromkeys(dataclasses.replace(c, fp8_dot_dtype=d)
-                                                            for c in shape_configs for d in args.fp8_dot_dtypes))
-                    row = _bench_shape(args, t_start, shape_configs, layout, dtype_name, batch, context, nbytes,
-                                       ref, (q, kp, vp, ks, vs, table, lengths))
-                    results.append(row)
-                    table_best = _table_candidate(row, args.table_min_warps)
-                    if layout is KvLayout.NHD and row.get("swept") and table_best is not None:
-                        size = batch * context
-                        if size >= tuned.get(dtype_name, (0, None))[0]:
-                            tuned[dtype_name] = (size, table_best)
-                    if args.out:
-                        write_results(args.out, results)
-                    del kp, vp
-                # the dense path it replaces: gather the whole table, then attend (same inputs)
-                try:
-                    results[-1]["reference_ms"] = chained_ms(paged_attention_reference, q, kp_nhd, vp_nhd, ks, vs,
-                                                             table, lengths)
-                except Exception as e:
-                    results[-1]["reference_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"    jnp reference (gather all): {results[-1].get('reference_ms', float('nan')):.3f} ms",
-                      flush=True)
-                if args.out:
-                    write_results(args.out, results)
-    if args.tuning_out:
-        kind = _device_kind()
-        entries = [{"device_kind": kind, "pool": name, "config": best["config"], "ms": best["ms"],
-                    "pct_copy_ceiling": best["pct_copy_ceiling"]} for name, (_, best) in sorted(tuned.items())]
-        write_tuning(args.tuning_out, entries)
-    if args.out:
-        print(f"wrote {args.out}")
-    return 0
-
-
-def _table_candidate(row: dict, min_warps: int) -> dict | None:
-    """The fastest timed config of a benchmark row with at least ``min_warps`` warps (None if none)."""
-    timed = [c for c in row["configs"] if "ms" in c and c["config"]["num_warps"] >= min_warps]
-    return min(timed, key=lambda c: c["ms"], default=None)
-
-
-def _bench_shape(args, t_start, configs, layout, dtype_name, batch, context, nbytes, ref, inputs) -> dict:
-    """Times every config on one shape and layout; the row of results (best config included)."""
-    kp = inputs[1]
-    row = {"pool": dtype_name, "layout": layout.value, "B": batch, "context": context, "bytes": nbytes,
-           "configs": []}
-    best = None
-    over = args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds
-    for cfg in (DEFAULT_CONFIG,) if over else configs:
-        if args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds and row["configs"]:
-            over = True  # the time is up in the middle of a sweep: keep what was timed
-            break
-        run_cfg = fit_config(cfg, kp, layout)
-        try:
-            out = paged_attention(*inputs, config=run_cfg, interpret=False, layout=layout)
-            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
-            ms = chained_ms(functools.partial(_paged_attention, config=run_cfg, interpret=False, layout=layout),
-                            *inputs)
-        except Exception as e:  # report and go on
-            row["configs"].append({"config": dataclasses.asdict(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            continue
-        gbs = nbytes / (ms * 1e-3) / 1e9
-        if args.table_only:
-            print(f"  {dtype_name} {layout.value} kh={run_cfg.kv_heads_per_program} bp={run_cfg.pages_per_block} "
-                  f"w={run_cfg.num_warps} st={run_cfg.num_stages} words={run_cfg.fp8_word_gather} "
-                  f"heads_fastest={run_cfg.heads_fastest}: {ms:.4f} ms, "
-                  f"{100 * gbs / (HBM_COPY_TBPS * 1e3):.1f}%, err {err:.1e}", flush=True)
-        row["configs"].append({"config": dataclasses.asdict(run_cfg), "ms": ms, "GBps": gbs,
-                               "pct_copy_ceiling": 100 * gbs / (HBM_COPY_TBPS * 1e3), "max_rel_err": err})
-        if best is None or ms < best[1]:
-            best = (run_cfg, ms, gbs, err)
-    if best is not None:
-        c = best[0]
-        row["best"] = {"config": dataclasses.asdict(c), "ms": best[1], "GBps": best[2],
-                       "pct_copy_ceiling": 100 * best[2] / (HBM_COPY_TBPS * 1e3), "max_rel_err": best[3]}
-        print(f"{dtype_name:14s} {layout.value} B={batch:4d} ctx<={context:5d}: {best[2]:7.1f} GB/s "
-              f"({100 * best[2] / (HBM_COPY_TBPS * 1e3):4.1f}% of {HBM_COPY_TBPS} TB/s), {best[1]:.3f} ms, "
-              f"pps={c.pages_per_split} bp={c.pages_per_block} w={c.num_warps} st={c.num_stages} "
-              f"kh={c.kv_heads_per_program} heads_fastest={c.heads_fastest} "
-              f"dot={c.fp8_dot_dtype}, err {best[3]:.1e} ({len(row['configs'])} configs)", flush=True)
-    else:
-        print(f"{dtype_name} {layout.value} B={batch} ctx={context}: every config failed", flush=True)
-    row["swept"] = not args.quick and len(row["configs"]) > 1
-    row["sweep_complete"] = not over and not args.quick
-    return row
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,100 +1,48 @@
 """Paged prefill attention (Pallas, Triton lowering): T new query tokens per row over a paged KV pool.
 
-Design note
-===========
+Row b has queries ``q [B, T, N, H]`` at positions ``lengths[b] + t``, the first ``num_new[b]`` real;
+their keys and values are already in the pool (``PagedKVCache.attend`` writes before it reads), so the
+row holds keys ``j < lengths[b] + num_new[b]``, key ``j`` at ``k_pages[page_table[b, j // page_size],
+j % page_size]``. Query t sees keys ``j <= lengths[b] + t`` (causal, continuing after the cached ones:
+``lengths > 0`` is a chunked prefill or the recompute of a preempted sequence). Pools ``[P, page_size,
+K, H]`` in bfloat16, float32 or float8_e4m3fn with one float32 dequantization scale per tensor; output
+``[B, T, N, H]`` in q's dtype, padded query rows (``t >= num_new[b]``) exactly zero.
 
-What: the attention of a prefill or recompute chunk in the rollout engine. Row b has queries
-``q [B, T, N, H]`` for tokens at positions ``lengths[b] + t``, of which the first ``num_new[b]``
-are real; their keys and values are already written into the pool (``PagedKVCache.attend``
-writes before it reads), so row b holds valid keys ``j < lengths[b] + num_new[b]``, key ``j``
-at ``k_pages[page_table[b, j // page_size], j % page_size]``. Query t sees keys
-``j <= lengths[b] + t`` (causal, continuing after the cache content: ``lengths > 0`` is a chunked
-prefill or the recompute of a preempted sequence). Pools are ``[P, page_size, K, H]`` in
-bfloat16, float32 or float8_e4m3fn with one float32 dequantization scale per tensor
-(``k_scale``, ``v_scale``: ``K ~= k8 * k_scale``). Output ``[B, T, N, H]`` in q's dtype; padded
-query rows (``t >= num_new[b]``) are exactly zero.
+Work split: one program per (row, query block, kv head). A program takes its ``block_q`` tokens times
+the G query heads of its kv head as one ``[block_q * Gp, H]`` tile (``Gp = next_pow2(G)``, padding
+heads zero and dropped), so each K/V tile is read once per GQA group, and walks the row's keys in blocks
+of ``pages_per_block`` pages (one element gather by page id per block, as in the decode kernel) with an
+online softmax in float32: no ``[T, S]`` logits exist. Only the keys the block's real queries see are
+read. Blocks wholly below the causal diagonal run a loop without masks; the one or two crossing it run
+a masked loop whose loads past the valid keys are masked off (unwritten slots may hold anything, NaN
+included). Query blocks run last-first, so the longest programs start first.
 
-Grid: one program per (row b, query block i, kv head k). A program takes the ``block_q`` tokens
-of its block times the ``G = N / K`` query heads of its kv head as one ``[block_q * Gp, H]`` tile
-(GQA: each K/V tile is read once for the group; ``Gp`` is G rounded up to a power of two, the
-padding heads are zero and dropped), and walks the row's keys in blocks of ``pages_per_block``
-pages (one element gather ``[pages_per_block, page_size, H]`` by page id per step, as in the
-decode kernel), flash-attention style: an online softmax in float32 keeps only the running max
-``m``, sum ``l`` and accumulator ``acc [block_q * Gp, H]``; no ``[T, S]`` logits exist anywhere.
-Only the pages the block needs are read: keys below ``lengths[b] + min(last token of the block,
-num_new[b] - 1) + 1``. The blocks fully below the causal diagonal (every key visible to every
-query of the block) run a loop without masks; the one or two blocks crossing the diagonal run a
-second, masked loop whose loads of tokens past the valid keys are masked off (no traffic, no
-garbage: unwritten slots may hold anything, NaN included). A block whose queries are all padding
-reads nothing and writes zeros. Query blocks are visited last-first along the grid axis, so the
-longest (most keys) programs start first and the short ones fill the tail.
+Math (`prefill_attention_reference` does the same in one block per row): logits ``(q . k8) * k_scale *
+H**-0.5`` in float32, online softmax in float32, ``p`` cast to q's dtype for P@V, ``out = acc / l *
+v_scale``. The FP8 scales multiply logits and output, not the tiles, so FP8 costs storage precision only.
+Key 0 is visible to every query and the first key block comes first, so a row's running max is a real
+logit before any fully masked block: ``exp(mask - m)`` is then exactly 0.
 
-Math (the jnp twin does the same in the same order, in one block per row)::
-
-    c = k_scale * H**-0.5                          # one float32 scalar
-    s_tj = (q_t . k8_j) * c                        # k8 upcast to q's dtype (exact for E4M3 ->
-                                                   # bf16/f32), the dot accumulates in float32
-    online softmax over key blocks, float32:  m, l, acc   (masked logits = float32 min)
-    p = exp(s - m) cast to q's dtype, acc += p @ v8 (float32 accumulation)
-    out = acc / l * v_scale, zero for padded rows
-
-So the FP8 scales are applied in-kernel to the float32 logits and output (not to the ``tokens x H``
-tiles: 8x fewer multiplies at H = 128, exact up to one float32 rounding) and FP8 costs storage
-precision only: logits, softmax and PV accumulate in float32, nothing low-precision accumulates
-with context length. float32 operands use IEEE dots (``Precision.HIGHEST``), never TF32. Key 0 is
-visible to every query, and the first key block is processed first, so every row's running max
-is a real logit before any fully masked row-block comes: ``exp(mask - m)`` is then exactly 0.
-
-Differences from the gather-all path it replaces (``PagedKVCache.attend`` reading
-``kp[page_table]`` into ``dot_attention`` with a ``[B, N, T, S]`` float32 logit tensor, ``S =
-max_pages * page_size``): that path rounds ``k8 * k_scale`` to q's dtype before the dot and
-normalizes the probabilities before P@V; here the scale stays in float32 and the division comes
-last. Both are within rounding of the float64 result (tests).
-
-Layout constraints: ``page_size``, ``pages_per_block``, ``block_q`` and ``H`` powers of two
-(Triton tiles), ``H >= 16``, ``N % K == 0``; ``pages_per_block`` is raised to ``16 / page_size``
-for small pages and ``block_q`` so that ``block_q * Gp >= 16`` (a dot needs M, N >= 16), and
-``block_q`` is lowered to ``next_pow2(T)`` for short chunks. T is padded to a multiple of
-``block_q`` (one XLA pad of q and slice of the output, only when it does not divide). The page
-table is padded by ``pages_per_block`` columns so a block's page-id slice never runs past it;
-page ids are clamped to ``[0, P)``.
-
-Deviations / limits: the output of padded query rows is zero (the gather-all path leaves them
-arbitrary). The key tiles are element gathers (page ids per page, contiguous along H), software
-pipelined by Triton's ``num_stages``; a Mosaic GPU version would use TMA page loads into a
-shared-memory ring, wgmma with the GQA group filling M = 64/128 directly, and warp-specialized
-producer/consumer warpgroups (FlashAttention-3 style). With G = 4 and ``block_q = 32`` a tile is
-128 rows; for very short chunks (T < 16 / Gp) the tile is padded.
+Constraints: ``page_size``, ``pages_per_block``, ``block_q`` and ``H`` powers of two, ``H >= 16``,
+``N % K == 0``. `fit_config` raises blocks to a dot's 16-row minimum, lowers ``block_q`` for short
+chunks and shrinks tiles that would overflow shared memory; T is padded to a multiple of ``block_q``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import resolve_interpret, write_results
+from pallas_kernels.common import resolve_interpret
 
 # the same pool/query dtypes, mask value, Triton tile minimum (M and N of a dot) and page/head
 # constraints as the decode kernel: both read the one paged cache
-from pallas_kernels.paged_attention import (
-    _FP8,
-    _MASK_VALUE,
-    _POOL_DTYPES,
-    _Q_DTYPES,
-    MIN_ROWS,
-    _pow2,
-    chained_ms,
-    supports,
-)
+from pallas_kernels.paged_attention import _MASK_VALUE, _POOL_DTYPES, _Q_DTYPES, MIN_ROWS, _pow2, supports
 
 
 def _next_pow2(x: int) -> int:
@@ -129,14 +77,7 @@ class PrefillAttentionConfig:
 
 
 DEFAULT_CONFIG = PrefillAttentionConfig()
-SWEEP_CONFIGS = (
-    PrefillAttentionConfig(block_q=32, pages_per_block=4, num_warps=4, num_stages=2),
-    PrefillAttentionConfig(block_q=32, pages_per_block=8, num_warps=8, num_stages=2),
-    PrefillAttentionConfig(block_q=32, pages_per_block=4, num_warps=8, num_stages=3),
-    PrefillAttentionConfig(block_q=16, pages_per_block=4, num_warps=4, num_stages=2),
-    PrefillAttentionConfig(block_q=16, pages_per_block=8, num_warps=4, num_stages=3),
-    PrefillAttentionConfig(block_q=64, pages_per_block=4, num_warps=8, num_stages=2),
-)
+
 
 
 def _prefill_kernel(start_ref, nn_ref, pt_ref, scale_ref, q_ref, k_ref, v_ref, o_ref, *, num_q_blocks: int,
@@ -315,8 +256,7 @@ def fit_config(config: PrefillAttentionConfig, T: int, G: int, page_size: int, h
                q_dtype=jnp.bfloat16) -> PrefillAttentionConfig:
     """The config the kernel actually runs for these shapes: ``block_q`` down to ``next_pow2(T)``
     but up to ``16 / Gp``; ``pages_per_block`` up to ``16 / page_size``; then, while `smem_bytes`
-    is over budget (a float32 pool at H = 128 needed 264 KB in the decode kernel, seen on the
-    H200), the larger of the K/V and q tiles halved, down to the 16-row minimum of a dot."""
+    is over budget (a float32 pool at H = 128 needed 264 KB in the decode kernel), the larger of the K/V and q tiles halved, down to the 16-row minimum of a dot."""
     gp = _next_pow2(G)
     bq = max(min(config.block_q, _next_pow2(T)), max(1, MIN_ROWS // gp))
     bp = max(config.pages_per_block, max(1, MIN_ROWS // page_size))
@@ -414,150 +354,3 @@ def prefill_attention_reference(q, k_pages, v_pages, k_scale, v_scale, page_tabl
     scale = jnp.where(keep, jnp.asarray(v_scale, jnp.float32).reshape(()) / jnp.where(keep, l, 1.0), 0.0)
     out = acc * jnp.transpose(scale, (0, 3, 1, 2))[..., None]
     return out.reshape(B, T, N, H).astype(cdt)
-
-
-# ----------------------------------------------------------------------------
-# Benchmark
-
-# (name, B, T new tokens, lengths before the chunk): Qwen3-8B prefill of 1024-token prompts, and a
-# chunk continuing at 2k context (chunked prefill / recompute after preemption)
-BENCH_CASES = (
-    ("prompt1024", 4, 1024, 0),
-    ("prompt1024", 8, 1024, 0),
-    ("prompt1024", 16, 1024, 0),
-    ("chunk512@2k", 8, 512, 2048),
-    ("chunk1024@2k", 4, 1024, 2048),
-)
-
-
-def attention_flops(lengths: np.ndarray, num_new: np.ndarray, num_heads: int, head_dim: int) -> int:
-    """Useful FLOPs of causal attention: query t of row b sees ``lengths[b] + t + 1`` keys, 2 x H
-    multiply-adds each for QK^T and for PV, per head (masked-off work is not counted)."""
-    total = 0
-    for L, n in zip(np.asarray(lengths, np.int64), np.asarray(num_new, np.int64)):
-        total += n * L + n * (n + 1) // 2
-    return int(4 * total * num_heads * head_dim)
-
-
-def bench_inputs(batch: int, T: int, start: int, pool_dtype, *, num_heads: int = 32, num_kv_heads: int = 8,
-                 head_dim: int = 128, page_size: int = 16, seed: int = 0):
-    """Random prefill inputs: every row continuing at ``start`` with T real new tokens, pages
-    shuffled across the pool, one spare page-table column of garbage ids."""
-    rng = np.random.default_rng(seed)
-    need = -(-(start + T) // page_size)
-    max_pages = need + 1
-    P = batch * need
-    perm = rng.permutation(P).astype(np.int32)
-    table = rng.integers(-(2**20), 2**20, (batch, max_pages)).astype(np.int32)
-    table[:, :need] = perm.reshape(batch, need)
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    shape = (P, page_size, num_kv_heads, head_dim)
-    if jnp.dtype(pool_dtype) == _FP8:
-        k_pages = (jax.random.normal(kk, shape, jnp.float32) * 64).astype(_FP8)
-        v_pages = (jax.random.normal(kv, shape, jnp.float32) * 64).astype(_FP8)
-        ks, vs = jnp.float32(1 / 64), jnp.float32(1 / 64)
-    else:
-        k_pages = jax.random.normal(kk, shape, pool_dtype)
-        v_pages = jax.random.normal(kv, shape, pool_dtype)
-        ks, vs = jnp.float32(1.0), jnp.float32(1.0)
-    q = jax.random.normal(kq, (batch, T, num_heads, head_dim), jnp.bfloat16)
-    lengths = jnp.full((batch,), start, jnp.int32)
-    num_new = jnp.full((batch,), T, jnp.int32)
-    return q, k_pages, v_pages, ks, vs, jnp.asarray(table), lengths, num_new
-
-
-@jax.jit
-def gather_all_attention(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths, num_new):
-    """What ``PagedKVCache.attend`` runs for T > 1 without the kernel: gather every page of the
-    table, dequantize to q's dtype, ``dot_attention`` with the causal mask (``num_new`` unused there)."""
-    from fp8rl_jax.models.attention import dot_attention
-
-    del num_new
-    B, T, _, H = q.shape
-    _, ps, K, _ = k_pages.shape
-    S = page_table.shape[1] * ps
-
-    def load(pages, scale):
-        x = pages[page_table]
-        if pages.dtype == _FP8:
-            x = x.astype(jnp.float32) * scale
-        return x.astype(q.dtype).reshape(B, S, K, H)
-
-    mask = jnp.arange(S)[None, None, :] <= (lengths[:, None] + jnp.arange(T)[None, :])[:, :, None]
-    return dot_attention(q, load(k_pages, k_scale), load(v_pages, v_scale), mask)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Sweep PrefillAttentionConfigs over Qwen3-8B prefill shapes; print TFLOP/s and time vs the
-    jnp gather-all path."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--out", default=None, help="write results as JSON to this path")
-    parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float8_e4m3fn"])
-    parser.add_argument("--cases", nargs="*", default=None,
-                        help="indices into BENCH_CASES (default all): " +
-                        ", ".join(f"{i}={c[0]} B={c[1]}" for i, c in enumerate(BENCH_CASES)))
-    parser.add_argument("--quick", action="store_true", help="default config only (no sweep)")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="after this many seconds, time the default config only (keeps a device run bounded)")
-    args = parser.parse_args(argv)
-    t_start = time.perf_counter()
-    if jax.default_backend() != "gpu":
-        print(f"prefill_attention benchmark needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
-              "nothing to do.")
-        return 0
-    cases = BENCH_CASES if args.cases is None else tuple(BENCH_CASES[int(i)] for i in args.cases)
-    configs = (DEFAULT_CONFIG,) if args.quick else (DEFAULT_CONFIG,) + SWEEP_CONFIGS
-    results = []
-    for name, batch, T, start in cases:
-        for dtype_name in args.dtypes:
-            inputs = bench_inputs(batch, T, start, jnp.dtype(dtype_name))
-            q, kp, lengths, num_new = inputs[0], inputs[1], inputs[6], inputs[7]
-            flops = attention_flops(np.asarray(lengths), np.asarray(num_new), q.shape[2], q.shape[3])
-            ref = prefill_attention_reference(*inputs).astype(jnp.float32)
-            row = {"case": name, "pool": dtype_name, "B": batch, "T": T, "lengths": start, "flops": flops,
-                   "configs": []}
-            best = None
-            over = args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds
-            for cfg in (DEFAULT_CONFIG,) if over else configs:
-                try:
-                    out = prefill_attention(*inputs, config=cfg, interpret=False)
-                    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
-                    run_cfg = fit_config(cfg, T, q.shape[2] // kp.shape[2], kp.shape[1], q.shape[3], kp.dtype, q.dtype)
-                    ms = chained_ms(functools.partial(_prefill_attention, config=run_cfg, interpret=False),
-                                    *inputs, n=4)
-                except Exception as e:  # report and go on
-                    row["configs"].append({"config": dataclasses.asdict(cfg),
-                                           "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                    continue
-                tflops = flops / (ms * 1e-3) / 1e12
-                row["configs"].append({"config": dataclasses.asdict(cfg), "ms": ms, "TFLOPs": tflops,
-                                       "max_rel_err": err})
-                if best is None or ms < best[1]:
-                    best = (cfg, ms, tflops, err)
-            try:  # the path the kernel replaces in the engine (max_pages = the context here; the engine's
-                # follows max_seq_len, so its gather-all cost there is larger still)
-                row["gather_all_ms"] = chained_ms(gather_all_attention, *inputs, n=2)
-                row["gather_all_TFLOPs"] = flops / (row["gather_all_ms"] * 1e-3) / 1e12
-            except Exception as e:  # it can run out of memory at large B
-                row["gather_all_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            if best is not None:
-                c = best[0]
-                row["best"] = {"config": dataclasses.asdict(c), "ms": best[1], "TFLOPs": best[2],
-                               "max_rel_err": best[3]}
-                g = row.get("gather_all_ms", float("nan"))
-                print(f"{name:13s} {dtype_name:14s} B={batch:3d}: {best[2]:6.1f} TFLOP/s, {best[1]:.3f} ms "
-                      f"(bq={c.block_q} bp={c.pages_per_block} w={c.num_warps} st={c.num_stages}), "
-                      f"err {best[3]:.1e} | gather-all jnp {g:.3f} ms ({g / best[1]:.1f}x)", flush=True)
-            else:
-                print(f"{name} {dtype_name} B={batch}: every config failed", flush=True)
-            row["swept"] = not over and not args.quick
-            results.append(row)
-            if args.out:
-                write_results(args.out, results)
-    if args.out:
-        print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("FP8RL_COMPILATION_CACHE", "off")
 HF_REFERENCE = REPO / "tests" / "hf_reference.py"
 # The H200 image has no math-verify and nothing installs there: on a GPU the reward tests (which import it) are left
-# out, so `pytest -m gpu tests` collects (session 16's first GPU run stopped at that import). On the CPU a missing
+# out, so `pytest -m gpu tests` collects instead of stopping at that import. On the CPU a missing
 # math-verify is still a collection error, as a broken install should be.
 # (math-verify is looked up first, so where it is installed, as in CI, this starts no backend at import)
 collect_ignore = (["test_rewards.py"] if importlib.util.find_spec("math_verify") is None and jax.default_backend() == "gpu"

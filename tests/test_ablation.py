@@ -37,10 +37,10 @@ def _tiny_quickstart():
     # one decoder layer: the compilations dominate a run this short; a KV pool and slot count sized
     # for these 16-sequence rollouts (the preset's 10k-page pool is touched whole every decode step
     # on the CPU, seconds per rollout)
-    q = abl.rlconfig.override(q, ["sft_steps=10", "eval_prompts=16", "rl.data.steps=3", "rl.data.prompts_per_step=4",
-                                  "rl.data.eval_every=3", "rl.rollout.n_samples=4", "rl.model.num_layers=1",
-                                  "rl.rollout.max_slots=16", "rl.rollout.prefill_batch=16",
-                                  "rl.rollout.kv_budget_gib=0.001"])
+    q = abl.rlconfig.override(q, ["sft_steps=10", "eval_prompts=16", "data.steps=3", "data.prompts_per_step=4",
+                                  "data.eval_every=3", "rollout.n_samples=4", "model.num_layers=1",
+                                  "rollout.engine.max_slots=16", "rollout.engine.prefill_batch=16",
+                                  "rollout.engine.kv_budget_gib=0.001"])
     return q
 
 

@@ -18,7 +18,7 @@ from fp8rl_jax.models.policy import DensePolicy, Kernels, MatmulPolicy, Proj, Si
 from fp8rl_jax.numerics.fp8 import codes_to_float32, quantize_activations, quantize_activations_t
 from fp8rl_jax.quant.policy import W8A8Policy, quantize_params, quantize_weight
 from pallas_kernels import act_quant as aq
-from pallas_kernels.common import triton_ir_for_h200
+from pallas_kernels.common import triton_ir_for_sm90
 
 SITE = Site(0, Proj.DOWN)
 
@@ -73,8 +73,8 @@ class TestInterpret:
 @pytest.mark.gpu
 class TestGpu(TestInterpret):
     """On the GPU the exponential and the reference's divisions are each implementation's own (module note): an
-    element of x may round to the neighbouring bf16 value. On the H200 (session 20) 0.08-0.16% of the codes
-    differed from XLA:GPU's. So: at most 0.5% of the codes differ, each by one E4M3 step; scales agree within a
+    element of x may round to the neighbouring bf16 value. On the H200 0.08-0.16% of the codes differ from
+    XLA:GPU's. So: at most 0.5% of the codes differ, each by one E4M3 step; scales agree within a
     bf16 ulp; and against float64 the kernel is as accurate as the reference."""
 
     INTERPRET = False
@@ -115,7 +115,7 @@ def test_validation():
 @pytest.mark.parametrize("scales_t", [True, False])
 def test_lowers_to_triton_for_h200(scales_t):
     gu = jax.ShapeDtypeStruct((256, 24576), jnp.bfloat16)
-    with triton_ir_for_h200():
+    with triton_ir_for_sm90():
         text = aq._call.trace(gu, scales_t, aq.DEFAULT_CONFIG, False).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 
@@ -182,7 +182,7 @@ NORM_CASES_INTERPRET = [(16, 1024, True, False), (5, 128, False, True), (32, 409
 def _close_codes(q, s, qr, sr, y64, scales_t):
     """The kernel's codes against the composition's where the row's float32 sum of squares may round differently
     (another summation order, another ``rsqrt``) or the other side's division is not IEEE (XLA:GPU): at most 0.5% of
-    the codes move (or 16 in a small array: 11 of 3 x 384 did on the H200, session 21), each by one E4M3 step;
+    the codes move (or 16 in a small array: 11 of 3 x 384 do on the H200), each by one E4M3 step;
     scales within a bf16 ulp; no less accurate against float64."""
     a, b = np.asarray(codes_to_float32(q)), np.asarray(codes_to_float32(qr))
     diff = a != b
@@ -254,8 +254,8 @@ class TestNormGpu(TestNormInterpret):
 
     @pytest.mark.parametrize("m,k,scales_t", [(8, 256, True), (3, 384, False), (64, 4096, True)], ids=str)
     def test_plain_is_quantize_activations(self, m, k, scales_t):
-        """XLA:GPU's float32 division is not the IEEE one the kernel (and the CPU) uses: on the H200 (session 21)
-        60% of its scales were an ulp or two off, and 0.17% of the codes at 64 x 4096 one step. So: scales within
+        """XLA:GPU's float32 division is not the IEEE one the kernel (and the CPU) uses: on the H200 60% of its
+        scales are an ulp or two off, and 0.17% of the codes at 64 x 4096 one step. So: scales within
         4 ulps, codes as `_close_codes` says."""
         x = _rows(m, k, seed=k).at[0, : aq.GROUP].set(0).at[-1, 7].set(-3e4)
         q, s = aq.quantize_1x128(x, scales_t=scales_t, interpret=False)
@@ -299,7 +299,7 @@ def test_norm_and_plain_validation():
 def test_norm_and_plain_lower_to_triton_for_h200(scales_t):
     x = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
-    with triton_ir_for_h200():
+    with triton_ir_for_sm90():
         for res in (x, None):
             text = aq._norm_call.trace(x, res, w, 1e-6, scales_t, aq.DEFAULT_NORM_CONFIG, False).lower(
                 lowering_platforms=("cuda",)).as_text()
@@ -454,7 +454,7 @@ def test_bf16_norm_validation_and_lowering():
     with pytest.raises(ValueError, match="residual shape"):
         aq.add_rms_norm(x, w, 1e-6, residual=x[:2])
     s = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16)
-    with triton_ir_for_h200():
+    with triton_ir_for_sm90():
         for res in (s, None):
             text = aq._plain_norm_call.trace(s, res, jax.ShapeDtypeStruct((4096,), jnp.bfloat16), 1e-6,
                                              aq.DEFAULT_NORM_CONFIG, False).lower(lowering_platforms=("cuda",)).as_text()

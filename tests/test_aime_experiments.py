@@ -85,6 +85,9 @@ def test_bad_inputs_are_clear_errors(exp8b, tmp_path, capsys):
     rc, msg = err(exp30)
     assert rc == 2 and "Qwen3-30B-A3B folder" in msg and "huggingface-cli download Qwen/Qwen3-30B-A3B" in msg
     assert exp30.TINY.model.num_experts > 0 and exp30.TINY.algorithm == exp30.PRESET.algorithm
+    # MoE routing replay: the engine records the experts, the loop's batches carry them to the trainer
+    assert exp30.PRESET.engine_config().record_routing and exp30.TINY.engine_config().record_routing
+    assert not exp8b.PRESET.engine_config().record_routing
     rc, msg = err(exp8b, "--preset", "tiny", "--resume", "--out", str(tmp_path / "nothing"),
                   "--train-data", train, "--eval-data", train)
     assert rc == 2 and "--resume: no checkpoint under" in msg
@@ -96,7 +99,9 @@ def test_bad_inputs_are_clear_errors(exp8b, tmp_path, capsys):
     rc, msg = err(exp8b, "--model-path", str(empty), "--train-data", train, "--set", "model.num_layers=3")
     assert rc == 2 and "model section comes from DIR/config.json" in msg
     rc, msg = err(exp8b, "--preset", "tiny", "--set", "rollout.n_sample=3")
-    assert rc == 2 and "unknown field 'n_sample'" in msg
+    assert rc == 2 and "unknown key 'rollout.n_sample'; did you mean rollout.n_samples?" in msg
+    rc, msg = err(exp8b, "--preset", "tiny", "--set", "rl.rollout.max_seq_len=64")  # moved into the engine's section
+    assert rc == 2 and "did you mean rollout.engine.max_seq_len?" in msg
     rc, msg = err(exp8b, "--preset", "tiny", "--set", "overflow=squeeze")
     assert rc == 2 and "'squeeze' is not one of" in msg
     cfg = exp8b.aime24.AimeConfig(rl=exp8b.TINY, random_init=True)  # default SKIP: every training prompt is too long
@@ -232,8 +237,8 @@ def test_model_path_folder_end_to_end(exp8b, tmp_path, capsys):
     train = _jsonl(tmp_path / "train.jsonl", TRAIN_ROWS)
     out = tmp_path / "run"
     sizes = ["trainer.micro_batches=1", "trainer.remat=false", "rollout.n_samples=2", "rollout.max_new_tokens=8",
-             "rollout.max_seq_len=192", "rollout.max_slots=16", "rollout.kv_budget_gib=0.001",
-             "rollout.steps_per_call=8", "rollout.prefill_batch=16", "optimizer.lr=1e-4", "optimizer.warmup_steps=0",
+             "rollout.engine.max_seq_len=192", "rollout.engine.max_slots=16", "rollout.engine.kv_budget_gib=0.001",
+             "rollout.engine.steps_per_call=8", "rollout.engine.prefill_batch=16", "optimizer.lr=1e-4", "optimizer.warmup_steps=0",
              "data.prompts_per_step=2", "data.steps=1", "data.eval_every=1", "data.eval_samples=2",
              "logging.checkpoint_every=1", "overflow=truncate", *QUIET]
     evals = _jsonl(tmp_path / "eval.jsonl", EVAL_ROWS)

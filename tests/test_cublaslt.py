@@ -310,8 +310,7 @@ def test_auto_follows_the_measured_table_per_shape(tmp_path, monkeypatch):
 
     import fp8rl_jax.quant.policy as P
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import bench_gemm
+    from experiments.bench.suites import gemm as bench_gemm
 
     rows = [{"M": 200, "N": 6144, "K": 4096, "ours_mgpu": {"ms": 0.040}, "ours_cublaslt": {"ms": 0.025}},
             {"M": 4096, "N": 4096, "K": 4096, "ours_mgpu": {"ms": 0.20}, "ours_cublaslt": {"ms": 0.30}},
@@ -430,7 +429,7 @@ def test_triton_backend_reads_the_scales_as_quantized(monkeypatch):
 
 
 def test_measured_triton_table_chooses_shapes_and_configs(monkeypatch, tmp_path):
-    """``bench_decode_gemms.py --triton-table-out`` keeps per (M bucket, N, K) the fastest Triton config and whether
+    """``python -m experiments.bench decode_gemms --triton-table-out`` keeps per (M bucket, N, K) the fastest Triton config and whether
     it beat cuBLASLt by the margin; the policy reads that file: ``GemmBackend.AUTO`` runs the winning shapes on
     Triton (``FP8RL_FP8_GEMM`` and explicit backends still win) and `triton_config` returns the measured config;
     other device kinds and unmeasured shapes keep the defaults."""
@@ -439,8 +438,7 @@ def test_measured_triton_table_chooses_shapes_and_configs(monkeypatch, tmp_path)
 
     import fp8rl_jax.quant.policy as P
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import bench_decode_gemms as bench
+    from experiments.bench.suites import decode_gemms as bench
 
     fast, slow = P.gemm_kernel.DECODE_CONFIGS[-1], P.gemm_kernel.DECODE_CONFIGS[-2]
     cfg = dataclasses.asdict
@@ -482,7 +480,7 @@ def test_measured_triton_table_chooses_shapes_and_configs(monkeypatch, tmp_path)
 
 
 def test_committed_triton_table_is_consistent(monkeypatch):
-    """The committed `TRITON_GEMM_TABLE` (H200, session 28): every entry's config is one of the decode configs (so
+    """The committed `TRITON_GEMM_TABLE` (H200): every entry's config is one of the decode configs (so
     the interpret and lowering tests cover what AUTO runs), "triton" only where it beat cuBLASLt by the bench's 3%
     margin, one entry per (device kind, M bucket, N, K); and on that device kind AUTO routes exactly those shapes
     to Triton with the measured config."""

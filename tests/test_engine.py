@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +13,13 @@ import numpy as np
 import pytest
 from conftest import HF_GREEDY_LENGTHS, HF_GREEDY_MODELS, HF_GREEDY_NEW_TOKENS, hf_greedy
 
-from configs.models import tiny_qwen3, tiny_qwen3_moe
+from configs.models import qwen3_8b, tiny_qwen3, tiny_qwen3_moe
 from fp8rl_jax.checkpoint import load_checkpoint
-from fp8rl_jax.models import DensePolicy, Fp8Mode, PagedKVCache, forward, init_params
+from fp8rl_jax.models import DensePolicy, Fp8Mode, PagedKVCache, calibrate_kv_scales, forward, init_params
+from fp8rl_jax.models import calibrate_kv_scales_jit
+from fp8rl_jax.rollout import kv_pool, programs
 from fp8rl_jax.rollout.base import FinishReason
-from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
+from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine, KvCalibration
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig
 
 # Compiles dominate these tests: every distinct engine config (shapes, precision, model) compiles its own prefill
@@ -151,8 +154,6 @@ def test_truncation_is_decided_on_the_host(monkeypatch):
     branching on it: calls without such rows run the program without a device conditional (on
     XLA:GPU one holds the host's dispatch until the GPU reaches it, every step), and a request
     draws the same tokens whether or not a neighbour truncates (its calls then sort)."""
-    from fp8rl_jax.rollout import engine as engine_mod
-
     cfg, rng = tiny_qwen3, np.random.default_rng(21)
     params = init_params(cfg, jax.random.key(5), jnp.float32)
     prompts = _prompts(rng, cfg.vocab_size, [5, 9, 3])
@@ -165,8 +166,8 @@ def test_truncation_is_decided_on_the_host(monkeypatch):
             return fn(*args, **kw)
         return call
 
-    monkeypatch.setattr(engine_mod, "_prefill", spy("prefill", engine_mod._prefill))
-    monkeypatch.setattr(engine_mod, "_decode", spy("decode", engine_mod._decode))
+    monkeypatch.setattr(programs, "prefill_jit", spy("prefill", programs.prefill_jit))
+    monkeypatch.setattr(programs, "decode_jit", spy("decode", programs.decode_jit))
     alone = JaxEngine(cfg, params, F32).generate(prompts, plain)
     assert flags["prefill"] and flags["decode"] and not any(flags["prefill"] + flags["decode"])
     flags = {"prefill": [], "decode": []}
@@ -177,11 +178,11 @@ def test_truncation_is_decided_on_the_host(monkeypatch):
     np.testing.assert_allclose(mixed.logprobs[:3, :6], alone.logprobs, atol=1e-5)
     monkeypatch.undo()
     eng, B = JaxEngine(cfg, params, F32), F32.max_slots
-    args = (eng.params, eng.cache, *eng._put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
-            *eng._slot_arrays([None] * B))
+    args = (eng.params, eng.cache, *eng.runner.put((np.zeros((B,), np.int32), np.zeros((B,), bool))),
+            *eng.runner.row_inputs([None] * B))
     for truncation, conditionals in ((False, 0), (None, 1)):  # None: the device decides (lax.cond)
-        hlo = engine_mod._decode.lower(*args, steps=F32.steps_per_call, truncation=truncation,
-                                       **eng._static).compile().as_text()
+        hlo = programs.decode_jit.lower(*args, steps=F32.steps_per_call, truncation=truncation,
+                                        **eng.runner.static).compile().as_text()
         assert hlo.count(" conditional(") == conditionals
 
 
@@ -307,7 +308,8 @@ def test_kv_budget_as_a_fraction_of_free_device_memory(monkeypatch):
             return self.stats
 
     # the fuller device leaves 2**18 bytes: half of it is F32's 64 pages (the shapes, so the programs, of F32)
-    monkeypatch.setattr(JaxEngine, "_memory_devices", lambda self: [Dev(2**22, 2**20), Dev(2**22, 2**22 - 2**18)])
+    devices = [Dev(2**22, 2**20), Dev(2**22, 2**22 - 2**18)]
+    monkeypatch.setattr(kv_pool.KvPool, "devices", property(lambda self: devices))
     eng = JaxEngine(cfg, params, frac)
     page_bytes = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 4
     assert eng.num_pages == int(0.5 * (2**22 - (2**22 - 2**18)) // page_bytes) == F32.num_pages  # the fuller device sets it
@@ -341,8 +343,6 @@ def test_kv_scales_follow_every_weight_update():
     """Inference-side calibration: doubling K (k_norm weight) and V (v_proj) doubles layer 0's
     scales at the next generate, every layer's scales change, none is reused across an update;
     the values equal an independent percentile over the K written into a paged cache."""
-    from fp8rl_jax.models import calibrate_kv_scales
-
     cfg, rng = tiny_qwen3, np.random.default_rng(1)
     params = _trained_like(cfg, 1)
     prompts = _prompts(rng, cfg.vocab_size, [9, 14, 5])
@@ -378,9 +378,6 @@ def test_kv_scales_follow_every_weight_update():
 
 
 def test_trainer_side_calibration_must_sync_after_each_update():
-    from fp8rl_jax.models import calibrate_kv_scales
-    from fp8rl_jax.rollout.engine import KvCalibration
-
     cfg, rng = tiny_qwen3, np.random.default_rng(2)
     params = _trained_like(cfg, 2)
     prompts = _prompts(rng, cfg.vocab_size, [6, 11])
@@ -422,8 +419,6 @@ def test_warmup_compiles_everything_and_changes_nothing():
     """``warmup`` leaves the cache bit for bit as it was, the next generate equals a cold engine's
     (FP8 KV with inference-side calibration, a page budget that forces preemption and recompute)
     and compiles no prefill, decode or calibration program of its own."""
-    from fp8rl_jax.rollout import engine as engine_mod
-
     cfg, rng = tiny_qwen3, np.random.default_rng(4)
     params = init_params(cfg, jax.random.key(3), jnp.float32)
     prompts = _prompts(rng, cfg.vocab_size, [9, 6, 11, 3])
@@ -435,11 +430,11 @@ def test_warmup_compiles_everything_and_changes_nothing():
     before = jax.tree.map(np.array, eng.cache)
     assert eng.warmup(min_prompt_len=3, max_prompt_len=11) > 0
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, eng.cache), before)
-    programs = (engine_mod._prefill, engine_mod._decode, engine_mod._calibrate, engine_mod._continue_rows)
-    sizes = [f._cache_size() for f in programs]
+    jitted = (programs.prefill_jit, programs.decode_jit, calibrate_kv_scales_jit, programs.continue_rows_jit)
+    sizes = [f._cache_size() for f in jitted]
     warm = eng.generate(prompts, sampling)
     assert warm.preemptions > 0
-    assert [f._cache_size() for f in programs] == sizes
+    assert [f._cache_size() for f in jitted] == sizes
     cold = JaxEngine(cfg, params, ec).generate(prompts, sampling)
     assert warm.token_lists() == cold.token_lists()
     np.testing.assert_array_equal(warm.logprobs, cold.logprobs)
@@ -455,7 +450,7 @@ def test_warmup_compiles_everything_and_changes_nothing():
     stages.clear()
     swap.warmup(min_prompt_len=3, max_prompt_len=11, recompute=False, progress=lambda w, s: stages.append(w))
     assert "swap copies" in stages
-    copies = (engine_mod._gather_pages, engine_mod._scatter_pages)
+    copies = (kv_pool.gather_pages_jit, kv_pool.scatter_pages_jit)
     sizes = [f._cache_size() for f in copies]
     out = swap.generate(prompts, sampling)
     assert swap.stats["swap_outs"] > 0 and [f._cache_size() for f in copies] == sizes
@@ -469,53 +464,47 @@ def test_warmup_compiles_everything_and_changes_nothing():
 @pytest.mark.gpu
 def test_decode_program_keeps_xla_split_k_out():
     """XLA:GPU splits the K of a BF16 GEMM whose tiles fill few SMs (Qwen3-8B's o_proj, down_proj and fused q/k/v at
-    256 rows) into a batched GEMM with float32 partial sums plus a reduction kernel (session 23: 0.32 ms of an 8B kv
-    decode step). The engine's decode program forbids it. One layer at Qwen3-8B's widths, 256 slots, mode kv (BF16
+    256 rows) into a batched GEMM with float32 partial sums plus a reduction kernel (0.32 ms of an 8B kv decode
+    step). The engine's decode program forbids it. One layer at Qwen3-8B's widths, 256 slots, mode kv (BF16
     linears): the optimized HLO of XLA's heuristic has split GEMMs, that of `decode_program()` has none."""
-    import re
-
-    from configs.models import qwen3_8b
-    from fp8rl_jax.rollout import engine as engine_mod
-
     cfg = dataclasses.replace(qwen3_8b, num_layers=1, vocab_size=8192, bos_token_id=None, eos_token_ids=(1,))
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
     ec = EngineConfig(max_slots=256, page_size=16, num_pages=256 * 4 + 8, max_seq_len=64, steps_per_call=1,
                       precision=Fp8Mode.KV, dtype="bfloat16")
     engine = JaxEngine(cfg, params, ec)
     B = ec.max_slots
-    sampling, stops, remaining = engine._slot_arrays([None] * B)
-    last, active = engine._put((np.zeros((B,), np.int32), np.ones((B,), bool)))
+    sampling, stops, remaining = engine.runner.row_inputs([None] * B)
+    last, active = engine.runner.put((np.zeros((B,), np.int32), np.ones((B,), bool)))
 
     def gemms(program):
         hlo = program.lower(engine.params, engine.cache, last, active, sampling, stops, remaining, steps=1,
-                            truncation=False, **engine._static).compile().as_text()
+                            truncation=False, **engine.runner.static).compile().as_text()
         lines = [ln for ln in hlo.splitlines() if "custom_call_target=\"__cublas" in ln]
         split = [ln for ln in lines if re.search(r"f32\[\d+,256,\d+\]", ln.split("custom-call(")[0])]
         return lines, split
 
-    heuristic, heuristic_split = gemms(engine_mod._decode_xla_split_k)
-    ours, ours_split = gemms(engine_mod.decode_program())
-    assert engine_mod.decode_program() is engine_mod._decode
+    heuristic, heuristic_split = gemms(programs.decode_xla_split_k_jit)
+    ours, ours_split = gemms(programs.decode_program())
+    assert programs.decode_program() is programs.decode_jit
     assert heuristic_split, "XLA's heuristic no longer splits these GEMMs: the forced option may be moot; recheck"
     assert ours and not ours_split, ours_split
 
 
 def test_swap_space_is_pinned_once_with_a_clear_error(monkeypatch):
     """`JaxEngine.reserve_swap_space` pins ``swap_space_gib`` of host memory in blocks once per engine (XLA's
-    pinned-host allocator grows by doubling regions, and growing it inside a run stalled the H200's W2 run); the
+    pinned-host allocator grows by doubling regions, and growing it inside a generate stalls it); the
     second call and engines without swap space pin nothing (a sleeping engine pins too: the space is host
     memory); a host that cannot pin it gets an error naming the setting, and the engine stays usable."""
-    from fp8rl_jax.rollout import engine as E
     cfg = tiny_qwen3
     params = init_params(cfg, jax.random.key(0), jnp.float32)
     pinned = []
-    real = E._to_host
+    real = kv_pool.to_host
 
     def counting(x):
         pinned.append(x.nbytes)
         return real(x)
 
-    monkeypatch.setattr(E, "_to_host", counting)
+    monkeypatch.setattr(kv_pool, "to_host", counting)
     eng = JaxEngine(cfg, params, dataclasses.replace(F32, swap_space_gib=0.75), asleep=True)  # no KV pool yet
     assert eng.swap_reserve_s is None
     assert eng.reserve_swap_space() >= 0 and eng.swap_reserve_s is not None
@@ -527,9 +516,9 @@ def test_swap_space_is_pinned_once_with_a_clear_error(monkeypatch):
     def failing(x):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of pinned host memory")
 
-    monkeypatch.setattr(E, "_to_host", failing)
+    monkeypatch.setattr(kv_pool, "to_host", failing)
     broken = JaxEngine(cfg, params, dataclasses.replace(F32, swap_space_gib=2.0))
     with pytest.raises(RuntimeError, match="swap_space_gib = 2.0 GiB"):
         broken.generate([[1, 2, 3]], SamplingConfig(max_tokens=2))
-    monkeypatch.setattr(E, "_to_host", real)
+    monkeypatch.setattr(kv_pool, "to_host", real)
     assert len(broken.generate([[1, 2, 3]], SamplingConfig(max_tokens=2)).token_lists()[0]) == 2

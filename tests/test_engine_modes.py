@@ -15,9 +15,10 @@ import pytest
 from test_engine import F32, GREEDY, _prompts, _trained_like
 
 from configs.models import tiny_qwen3, tiny_qwen3_moe
-from fp8rl_jax.models import DensePolicy, Fp8Mode, init_params
+from fp8rl_jax.models import DensePolicy, Fp8Mode, PagedKVCache, calibrate_kv_scales, init_params
 from fp8rl_jax.rollout.base import FinishReason
-from fp8rl_jax.rollout.engine import JaxEngine
+from fp8rl_jax.rollout import programs
+from fp8rl_jax.rollout.engine import JaxEngine, KvCalibration
 from fp8rl_jax.rollout.sampling import SamplingConfig
 
 
@@ -26,8 +27,6 @@ def test_sleep_frees_the_pool_and_changes_no_result():
     same shape (no new compile) and gives the tokens and logprobs of an engine that never slept
     (FP8 KV, preemption forced); calibrated scales and their freshness survive a sleep, a weight
     update while asleep still makes them stale, and an engine built asleep holds no pool."""
-    from fp8rl_jax.rollout import engine as engine_mod
-
     cfg, rng = tiny_qwen3, np.random.default_rng(11)
     params = _trained_like(cfg, 11)
     prompts = _prompts(rng, cfg.vocab_size, [9, 6, 11, 3])
@@ -45,7 +44,7 @@ def test_sleep_frees_the_pool_and_changes_no_result():
     np.testing.assert_array_equal(out.logprobs, first.logprobs)
     pools = (*eng.cache.k_pages, *eng.cache.v_pages)
     k1, v1 = np.asarray(eng.cache.k_scale), np.asarray(eng.cache.v_scale)
-    sizes = [f._cache_size() for f in (engine_mod._prefill, engine_mod._decode)]
+    sizes = [f._cache_size() for f in (programs.prefill_jit, programs.decode_jit)]
     eng.sleep()
     eng.sleep()  # idempotent
     assert eng.asleep and all(a.is_deleted() for a in pools) and eng.kv_scales_fresh
@@ -54,7 +53,7 @@ def test_sleep_frees_the_pool_and_changes_no_result():
     np.testing.assert_array_equal(again.logprobs, first.logprobs)
     np.testing.assert_array_equal(np.asarray(eng.cache.k_scale), k1)  # kept, not recalibrated or reset
     np.testing.assert_array_equal(np.asarray(eng.cache.v_scale), v1)
-    assert [f._cache_size() for f in (engine_mod._prefill, engine_mod._decode)] == sizes
+    assert [f._cache_size() for f in (programs.prefill_jit, programs.decode_jit)] == sizes
     assert eng.cache.k_pages[0].shape == pools[0].shape and eng.cache.k_pages[0].dtype == jnp.float8_e4m3fn
 
     # an update while asleep: the scales are stale and the next generate recalibrates them on the new weights
@@ -95,9 +94,6 @@ def test_sleep_can_drop_the_weights_until_the_next_update():
 
 
 def test_trainer_side_scales_synced_while_asleep_are_used_after_wake():
-    from fp8rl_jax.models import calibrate_kv_scales
-    from fp8rl_jax.rollout.engine import KvCalibration
-
     cfg, rng = tiny_qwen3, np.random.default_rng(12)
     params = _trained_like(cfg, 12)
     prompts = _prompts(rng, cfg.vocab_size, [6, 11])
@@ -118,15 +114,13 @@ def test_trainer_side_scales_synced_while_asleep_are_used_after_wake():
 
 
 def test_wake_without_memory_names_the_pool_and_stays_asleep(monkeypatch):
-    from fp8rl_jax.rollout import engine as engine_mod
-
     cfg = tiny_qwen3
     eng = JaxEngine(cfg, init_params(cfg, jax.random.key(0), jnp.float32), F32, asleep=True)
 
     def exhausted(*a, **k):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes.")
 
-    monkeypatch.setattr(engine_mod.PagedKVCache, "init", exhausted)
+    monkeypatch.setattr(PagedKVCache, "init", exhausted)
     with pytest.raises(RuntimeError, match=r"KV pool \(64 pages, .* GiB\) does not fit"):
         eng.generate([[3, 4, 5]], GREEDY)
     assert eng.asleep

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from experiments.bench.tables import merged_tuning
 from fp8rl_jax.quant import quantize_activations, quantize_weight_blockwise
 from pallas_kernels import fp8_gemm_mgpu as G
 from pallas_kernels.fp8_gemm_mgpu import MatmulDimension, MgpuGemmConfig, fp8_gemm_mgpu, fp8_gemm_reference
@@ -257,13 +258,6 @@ def test_default_config_fits_shared_memory_with_float32_out():
     assert G.fit_shared_memory(G.DEFAULT_CONFIG, jnp.float32) == G.DEFAULT_CONFIG
 
 
-def test_main_without_gpu_is_a_noop(capsys):
-    if jax.default_backend() == "gpu":
-        pytest.skip("main() benchmarks on a GPU")
-    assert G.main([]) == 0
-    assert "needs a GPU" in capsys.readouterr().out
-
-
 def test_w8a8_policy_dispatches_to_the_mosaic_kernel(monkeypatch):
     """W8A8Policy with Kernels.PALLAS runs this kernel for shapes it supports and the Triton kernel
     (masked edges) otherwise; both agree with the reference path (interpret mode here)."""
@@ -291,7 +285,7 @@ def test_tuning_table_lookup(tmp_path, monkeypatch):
     import json
 
     entry = {"device_kind": "TestGPU", "m_bucket": 256, "n": 4096, "k": 4096,
-             "config": G._config_dict(MgpuGemmConfig(128, 64, MatmulDimension.M, 3))}
+             "config": G.config_dict(MgpuGemmConfig(128, 64, MatmulDimension.M, 3))}
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps({"entries": [entry, dict(entry, device_kind="OtherGPU", n=1024)]}))
     monkeypatch.setattr(G, "TUNING_FILE", path)
@@ -306,6 +300,38 @@ def test_tuning_table_lookup(tmp_path, monkeypatch):
         G._tuning.cache_clear()
 
 
+def test_missing_or_unreadable_tuning_table_warns_once_naming_it(tmp_path, monkeypatch):
+    """A table that is absent (a wheel built without its package data) or not JSON is a RuntimeWarning naming
+    the file, once per file; the kernel then takes its untuned default. An optional table (``required=False``)
+    may be absent quietly."""
+    import warnings
+
+    from pallas_kernels import common
+
+    monkeypatch.setattr(common, "_WARNED", set())
+    monkeypatch.setattr(G, "_device_kind", lambda: "TestGPU")
+    bad = tmp_path / "garbled.json"
+    bad.write_text("{not json")
+    for path in (tmp_path / "absent.json", bad):
+        monkeypatch.setattr(G, "TUNING_FILE", path)
+        G._tuning.cache_clear()
+        try:
+            with pytest.warns(RuntimeWarning, match=path.name):
+                assert G.default_config(256, 4096, 4096) == G.DECODE_CONFIG
+            G._tuning.cache_clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # the second read of the same file is quiet
+                assert common.tuning_entries(path, "TestGPU") == []
+        finally:
+            G._tuning.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a table the package does not ship may be absent quietly
+        assert common.tuning_entries(tmp_path / "site_measured.json", "TestGPU", required=False) == []
+    with pytest.warns(RuntimeWarning, match=bad.name):  # but one that is there must be readable
+        monkeypatch.setattr(common, "_WARNED", set())
+        assert common.tuning_entries(bad, "TestGPU", required=False) == []
+
+
 def test_merged_tuning_replaces_measured_shapes_only(tmp_path):
     import json
 
@@ -316,10 +342,10 @@ def test_merged_tuning_replaces_measured_shapes_only(tmp_path):
     old = [entry("H200", 256, 4096, 4096, 1.0), entry("H200", 256, 1024, 4096, 2.0), entry("H100", 256, 4096, 4096, 3.0)]
     path.write_text(json.dumps({"entries": old}))
     new = [entry("H200", 256, 4096, 4096, 0.5), entry("H200", 256, 6144, 4096, 0.7)]
-    merged = G.merged_tuning(path, new)
+    merged = merged_tuning(path, new)
     assert sorted((e["device_kind"], e["n"], e["ms"]) for e in merged) == [
         ("H100", 4096, 3.0), ("H200", 1024, 2.0), ("H200", 4096, 0.5), ("H200", 6144, 0.7)]
-    assert G.merged_tuning(tmp_path / "absent.json", new) == new
+    assert merged_tuning(tmp_path / "absent.json", new) == new
 
 
 @pytest.mark.parametrize("config", [c for c in G.SWEEP_CONFIGS + G.DECODE_SWEEP_CONFIGS + G.OVERLAP_CONFIGS

@@ -22,8 +22,9 @@ from configs.models import tiny_qwen3_moe
 from fp8rl_jax.models import Proj, Site, forward, init_params
 from fp8rl_jax.numerics import fp8
 from fp8rl_jax.quant.policy import Kernels, LayerPolicy, W8A8Policy, quantize_params
+from experiments.bench.suites import grouped_gemm as bench
 from pallas_kernels import fp8_grouped_gemm as gg
-from pallas_kernels.common import triton_ir_for_h200
+from pallas_kernels.common import triton_ir_for_sm90
 from pallas_kernels.fp8_grouped_gemm import GroupedGemmConfig as Cfg
 
 # max |out - ref| / max |ref| keyed by out dtype. f32: kernel and reference sum the same exact fp8
@@ -170,11 +171,11 @@ class TestGroupedGpu(TestGroupedInterpret):
     def test_qwen3_30b_experts(self, i):
         cfg = gg.SWEEP_CONFIGS[i]
         (n, k), tokens = ((768, 2048), (2048, 768))[i % 2], (32, 512, 1000)[i % 3]
-        gs = gg.route(jax.random.key(i), tokens, gg.ROUTINGS[(i // 2) % 2])
-        m = tokens * gg.BENCH_TOP_K
+        gs = bench.route(jax.random.key(i), tokens, bench.ROUTINGS[(i // 2) % 2])
+        m = tokens * bench.BENCH_TOP_K
         rng = np.random.default_rng(i)
         qa, sa = fp8.quantize_activations(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16))
-        qw = fp8.quantize_weight_blockwise(jax.random.normal(jax.random.key(n), (gg.BENCH_E, n, k), jnp.bfloat16))
+        qw = fp8.quantize_weight_blockwise(jax.random.normal(jax.random.key(n), (bench.BENCH_E, n, k), jnp.bfloat16))
         want = gg.fp8_grouped_gemm_reference(qa, sa, qw.q, qw.scale_inv, gs, out_dtype=jnp.float32)
         got = gg.fp8_grouped_gemm(qa, sa, qw.q, qw.scale_inv, gs, out_dtype=jnp.float32, config=cfg, interpret=False)
         assert (err := _rel_err(got, want)) <= self.TOL[jnp.dtype(jnp.float32)], f"{cfg}: rel err {err:.2e}"
@@ -292,21 +293,15 @@ class TestGroupedReference:
             cfg.block_m = 32  # type: ignore[misc]
 
     def test_route(self):
-        uniform, skewed = (np.asarray(gg.route(jax.random.key(2), 512, r)) for r in gg.ROUTINGS)
+        uniform, skewed = (np.asarray(bench.route(jax.random.key(2), 512, r)) for r in bench.ROUTINGS)
         for gs in (uniform, skewed):  # top-k experts are distinct: at most one row per token per expert
-            assert gs.shape == (gg.BENCH_E,) and gs.sum() == 512 * gg.BENCH_TOP_K and gs.max() <= 512
+            assert gs.shape == (bench.BENCH_E,) and gs.sum() == 512 * bench.BENCH_TOP_K and gs.max() <= 512
         assert skewed.max() > 2 * uniform.max()
-
-    def test_main_without_gpu(self, capsys):
-        if jax.default_backend() == "gpu":
-            pytest.skip("main() benchmarks on a GPU")
-        assert gg.main([]) == 0
-        assert "needs a GPU" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------
 # Lowering to Triton IR for an H200 on the CPU (private JAX API; see test_pallas_kernels.py):
-# catches lowering errors before the device run (`pallas_kernels.common.triton_ir_for_h200`).
+# catches lowering errors before the device run (`pallas_kernels.common.triton_ir_for_sm90`).
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -317,7 +312,7 @@ def test_triton_lowering(config):
         args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, kb), jnp.float32),
                 jax.ShapeDtypeStruct((e, n, k), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((e, -(-n // 128), kb), jnp.float32), jax.ShapeDtypeStruct((e,), jnp.int32))
-        with triton_ir_for_h200():
+        with triton_ir_for_sm90():
             lowered = gg._fp8_grouped_gemm.trace(*args, jnp.dtype(jnp.bfloat16), config, False)
             text = lowered.lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
@@ -340,7 +335,7 @@ def test_fp8_dots_may_use_wgmma():
     m, n, k, e = 64, 256, 256, 4
     fp8_args = (S((m, k), jnp.float8_e4m3fn), S((m, 2), jnp.float32), S((e, n, k), jnp.float8_e4m3fn),
                 S((e, 2, 2), jnp.float32), S((e,), jnp.int32))
-    with triton_ir_for_h200() as captured:
+    with triton_ir_for_sm90() as captured:
         gg._fp8_grouped_gemm.trace(*fp8_args, jnp.dtype(jnp.bfloat16), Cfg(16, 64, swap_ab=True), False).lower(
             lowering_platforms=("cuda",))
         gg._grouped_gemm.trace(S((m, k), jnp.bfloat16), S((e, n, k), jnp.bfloat16), S((e,), jnp.int32),
@@ -365,7 +360,7 @@ def test_preload_scales_only_where_they_fit():
 def test_preloaded_scales_leave_the_k_loop():
     """The Triton IR of the K loop: with preloaded scales its only loads are the A and B tiles (Triton
     pipelines them as cp.async); with scales loaded inside it, two more plain global loads per K step,
-    which Triton does not pipeline (session 12's TTGIR: after the wgmma wait, before the next cp.async)."""
+    which Triton does not pipeline (the TTGIR places them after the wgmma wait, before the next cp.async)."""
     S = jax.ShapeDtypeStruct
     m, n, k, e = 384, 768, 2048, 128  # a shape no other test lowers (a cached lowering captures no IR)
     args = (S((m, k), jnp.float8_e4m3fn), S((m, k // 128), jnp.float32), S((e, n, k), jnp.float8_e4m3fn),
@@ -373,7 +368,7 @@ def test_preloaded_scales_leave_the_k_loop():
     loads = []
     for preload in (True, False):
         cfg = Cfg(16, 128, 4, 4, swap_ab=True, preload_scales=preload)
-        with triton_ir_for_h200() as captured:
+        with triton_ir_for_sm90() as captured:
             gg._fp8_grouped_gemm.trace(*args, jnp.dtype(jnp.bfloat16), cfg, False).lower(lowering_platforms=("cuda",))
         loop = captured[0].split("scf.for", 1)[1].split("scf.yield", 1)[0]
         loads.append(len(re.findall(r"tt\.load", loop)))

@@ -218,7 +218,7 @@ def test_fp8_checkpoint_errors(odd_model, tmp_path, capsys):
 
 
 def test_pallas_kernels_through_the_policy_match_the_reference():
-    """The dispatcher's Pallas path (interpret mode here, native on the H200) gives the same
+    """The dispatcher's Pallas path (interpret mode here, native on a GPU) gives the same
     FP8 weights bit for bit and the same logits as the jnp reference path."""
     from fp8rl_jax.quant.policy import Kernels
 

@@ -428,13 +428,13 @@ def test_adam_steps_reduce_loss_like_bf16(dense_params):
 
 
 def test_pallas_path_matches_reference():
-    """Kernels.PALLAS (interpret mode here, native on the H200): fprop and dgrad through
+    """Kernels.PALLAS (interpret mode here, native on a GPU): fprop and dgrad through
     pallas_kernels.fp8_gemm (K = 136: masked edges) or fp8_gemm_mgpu (K = 256, 512), weight
     quantization through fp8_quant; same values as the reference. The wgrad multiplies the FP8
     codes dequantized to BF16 there: within BF16's 2^-9 rounding of the reference."""
     # Interpret mode computes the wgmma in float32: the reference's values to 1e-6. Natively the
     # Mosaic kernel's FP8 wgmma accumulates each 128-wide K block at Hopper's reduced precision
-    # (1.3e-4 measured on the H200, session 4; float32 promotion between blocks keeps it from
+    # (1.3e-4 on the H200; float32 promotion between blocks keeps it from
     # growing with K), the bound of tests/test_fp8_gemm_mgpu.py's GPU class.
     tol = 1e-3 if jax.default_backend() == "gpu" else 1e-6
     rng = np.random.default_rng(16)

@@ -1,11 +1,10 @@
-"""The GPU-time measures of the benchmarks: the profiler-trace reader (`pallas_kernels.common.trace_kernels`)
-on a synthetic trace, and bench_gemm's use of GPU time (backend choice, both markdown tables)."""
+"""The GPU-time measures of the benchmarks: the profiler-trace reader (`experiments.bench.timing.trace_kernels`)
+on a synthetic trace, and the gemm suite's use of GPU time (backend choice, both markdown tables)."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import fusion_hlo, trace_kernels
+from experiments.bench.timing import fusion_hlo, trace_kernels
 
 
 def _write_trace(d: Path, events: list[dict]) -> None:
@@ -49,8 +48,7 @@ def test_trace_kernels_sums_the_stream_lines_of_gpu_processes(tmp_path):
 
 
 def test_bench_gemm_picks_backends_by_gpu_time_and_writes_both_tables():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import bench_gemm
+    from experiments.bench.suites import gemm as bench_gemm
 
     # wall clock says Mosaic (cuBLASLt's host launch is slower than its kernel), GPU time says cuBLASLt
     row = {"M": 256, "N": 4096, "K": 4096, "input_sets": 64,
@@ -91,7 +89,7 @@ def test_replay_gpu_ms_returns_the_calls_outputs():
     """``with_outputs``: the outputs of the timed program's calls, one per argument set (the grouped GEMM's
     sweep checks its error on them without compiling the call again). No GPU here: only the outputs are
     checked, and the timing keys are present."""
-    from pallas_kernels.common import replay_gpu_ms
+    from experiments.bench.timing import replay_gpu_ms
 
     rng = np.random.default_rng()
     sets = [(jnp.asarray(rng.standard_normal((5, 7)), jnp.float32), jnp.float32(rng.uniform(1, 2))) for _ in range(3)]

@@ -48,7 +48,8 @@ for i, cell in enumerate(code):
     if not sized and "QUICKSTART" in ns:
         q = ns["QUICKSTART"]
         ns["QUICKSTART"] = dataclasses.replace(q, model=dataclasses.replace(q.model, num_layers=1),
-            rollout=dataclasses.replace(q.rollout, max_slots=16, prefill_batch=16, kv_budget_gib=0.001))
+            rollout=dataclasses.replace(q.rollout, engine=dataclasses.replace(
+                q.rollout.engine, max_slots=16, prefill_batch=16, kv_budget_gib=0.001)))
         sized = True
     if last is not None:
         value = eval(compile(ast.Expression(last.value), name, "eval"), ns)

@@ -10,7 +10,9 @@ their scale, so the tolerance measures the kernel's compute error, not quantizat
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 
 import jax
 import jax.extend as jex
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.bench.suites import paged_attention as suite
 from fp8rl_jax.models import PagedKVCache
 from fp8rl_jax.models.attention import dot_attention
 from fp8rl_jax.numerics.fp8 import saturating_cast
@@ -431,16 +434,53 @@ def test_table_candidate_skips_configs_below_min_warps():
     eight = {"config": dataclasses.asdict(pa.PagedAttentionConfig(num_warps=8)), "ms": 0.45}
     failed = {"config": dataclasses.asdict(pa.PagedAttentionConfig(num_warps=4, num_stages=3)), "error": "x"}
     row = {"configs": [one, four, failed, eight]}
-    assert pa._table_candidate(row, 4) is eight
-    assert pa._table_candidate(row, 1) is one
-    assert pa._table_candidate({"configs": [one, failed]}, 4) is None
+    assert suite.table_candidate(row, 4) is eight
+    assert suite.table_candidate(row, 1) is one
+    assert suite.table_candidate({"configs": [one, failed]}, 4) is None
 
 
-def test_main_without_gpu(capsys):
-    if jax.default_backend() == "gpu":
-        pytest.skip("the GPU run is the benchmark itself")
-    assert pa.main(["--quick"]) == 0
-    assert "needs a GPU" in capsys.readouterr().out
+def _run_suite(argv):
+    parser = argparse.ArgumentParser()
+    suite.add_arguments(parser)
+    return suite.run(parser.parse_args(argv))
+
+
+def test_benchmark_suite_smoke():
+    """The runner's suite on its CPU smoke flags (interpret mode off the GPU): every config timed, each within the
+    twin's tolerance (FP8 pools with float16 dots against the twin's bfloat16 ones: a bfloat16 rounding more), the
+    bytes as `bytes_moved` counts them, fractions of the copy bandwidth measured here."""
+    payload = _run_suite(suite.SMOKE)
+    assert payload["hbm_copy_gbps"] > 0 and payload["tuning"] == []
+    assert {(r["pool"], r["layout"]) for r in payload["results"]} == {("bfloat16", "nhd"), ("float8_e4m3fn", "nhd")}
+    for row in payload["results"]:
+        assert row["configs"] and all("error" not in c and c["ms"] > 0 for c in row["configs"])
+        best = row["best"]
+        assert best["max_rel_err"] < 2 * TOL_REF[BF16]
+        assert best["GBps"] == pytest.approx(row["bytes"] / (best["ms"] * 1e-3) / 1e9)
+        assert 100 * best["GBps"] / best["pct_copy_ceiling"] == pytest.approx(payload["hbm_copy_gbps"], abs=0.051)
+    lengths = np.asarray(suite.bench_inputs(2, 40, BF16, num_heads=4, num_kv_heads=2, head_dim=64, ragged=True)[-1])
+    pages = int(np.sum(-(-lengths // 16)))  # K and V pages below the lengths, then q and the output
+    assert payload["results"][0]["bytes"] == 2 * pages * 16 * 2 * 64 * 2 + 2 * (2 * 4 * 64) * 2
+
+
+def test_benchmark_suite_writes_a_tuning_table_the_kernel_reads(tmp_path, monkeypatch):
+    """``--tuning-out``: the faster of two timed launch orders (a sweep of the table's config) becomes this device
+    kind's entry, and `default_config` takes it from that file."""
+    path = tmp_path / "paged_attention_tuning.json"
+    payload = _run_suite(["--batch", "2", "--context", "40", "--heads", "4", "2", "64", "--dtypes", "bfloat16",
+                          "--table-only", "--orders", "rows", "heads", "--chain", "1", "--repeats", "1",
+                          "--tuning-out", str(path)])
+    (row,) = payload["results"]
+    assert len(row["configs"]) == 2 and row["swept"]
+    entries = json.loads(path.read_text())["entries"]
+    assert entries == payload["tuning"] and len(entries) == 1
+    assert entries[0]["pool"] == "bfloat16" and entries[0]["config"] == suite.table_candidate(row, 2)["config"]
+    monkeypatch.setattr(pa, "TUNING_FILE", path)
+    pa._tuning.cache_clear()
+    try:
+        assert pa.default_config(BF16) == pa.PagedAttentionConfig(**entries[0]["config"])
+    finally:
+        pa._tuning.cache_clear()
 
 
 @pytest.mark.gpu
@@ -520,10 +560,10 @@ def test_split_combine_kernel_is_the_reference(interpret):
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_split_combine_lowers_to_triton_for_h200():
-    from pallas_kernels.common import triton_ir_for_h200
+    from pallas_kernels.common import triton_ir_for_sm90
 
     S = jax.ShapeDtypeStruct
-    with triton_ir_for_h200() as ir:
+    with triton_ir_for_sm90() as ir:
         text = pa._combine.trace(S((3, 256, 8, 4, 128), F32), S((3, 256, 8, 4), F32), jnp.dtype(jnp.bfloat16),
                                  False).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and len(ir) == 1

@@ -18,21 +18,23 @@ import pytest
 from fp8rl_jax.numerics import fp8
 from pallas_kernels import fp8_gemm as fg
 from pallas_kernels import fp8_quant as fq
-from pallas_kernels.common import triton_ir_for_h200
+from pallas_kernels.common import triton_ir_for_sm90
 
 # ----------------------------------------------------------------------------
 # Quantization
 
 
-def _bits_equal(got: fp8.QuantizedWeight, want: fp8.QuantizedWeight) -> None:
-    assert got.q.shape == want.q.shape and got.q.dtype == want.q.dtype
-    assert got.scale_inv.shape == want.scale_inv.shape and got.scale_inv.dtype == jnp.float32
-    gq, wq = np.asarray(got.q).view(np.uint8), np.asarray(want.q).view(np.uint8)
+def _bits_equal(got: tuple, want: tuple) -> None:
+    """``(q, scale_inv)`` pairs equal bit for bit (E4M3 codes, float32 128x128 block scales)."""
+    (got_q, got_s), (want_q, want_s) = got, want
+    assert got_q.shape == want_q.shape and got_q.dtype == want_q.dtype == jnp.float8_e4m3fn
+    assert got_s.shape == want_s.shape and got_s.dtype == jnp.float32
+    assert got_s.shape[-2:] == (-(-got_q.shape[-2] // 128), -(-got_q.shape[-1] // 128))
+    gq, wq = np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8)
     n_bad = int(np.sum(gq != wq))
     assert n_bad == 0, f"{n_bad} of {gq.size} fp8 codes differ"
-    gs, ws = np.asarray(got.scale_inv).view(np.uint32), np.asarray(want.scale_inv).view(np.uint32)
-    assert np.array_equal(gs, ws), f"scales differ: {np.asarray(got.scale_inv)} vs {np.asarray(want.scale_inv)}"
-    assert got.block_size == (128, 128)
+    gs, ws = np.asarray(got_s).view(np.uint32), np.asarray(want_s).view(np.uint32)
+    assert np.array_equal(gs, ws), f"scales differ: {np.asarray(got_s)} vs {np.asarray(want_s)}"
 
 
 QUANT_CASES = [
@@ -69,9 +71,10 @@ class TestQuantInterpret:
         w = jnp.asarray(w)
         got = fq.quantize_weight(w, interpret=self.INTERPRET)
         _bits_equal(got, fq.quantize_weight_reference(w))
-        s = np.asarray(got.scale_inv)
+        q, s = got
+        s = np.asarray(s)
         assert s[0, 0] == 1.0 and s[1, 0] == np.finfo(np.float32).tiny
-        assert not np.isnan(np.asarray(got.q.astype(jnp.float32))).any()
+        assert not np.isnan(np.asarray(q.astype(jnp.float32))).any()
 
 
     @pytest.mark.parametrize("rows", [(256, 128, 128), (128, 384, 200)], ids=str)
@@ -118,12 +121,6 @@ class TestQuantValidation:
             fq.quantize_weight_concat([ok], config=fq.QuantConfig(256, 256))
         with pytest.raises(ValueError, match="non-empty"):
             fq.quantize_weight_concat([ok, jnp.zeros((0, 256))])
-
-    def test_main_without_gpu(self, capsys):
-        if jax.default_backend() == "gpu":
-            pytest.skip("main() benchmarks on a GPU")
-        assert fq.main([]) == 0
-        assert "needs a GPU" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------
@@ -329,18 +326,12 @@ class TestGemmReference:
         with pytest.raises(ValueError, match="multiple of 16"):
             fg.GemmConfig.from_spec("8,64,4,4,1")
 
-    def test_main_without_gpu(self, capsys):
-        if jax.default_backend() == "gpu":
-            pytest.skip("main() benchmarks on a GPU")
-        assert fg.main([]) == 0
-        assert "needs a GPU" in capsys.readouterr().out
-
 
 # ----------------------------------------------------------------------------
 # Lowering to Triton IR for an H200, checked on the CPU (private JAX API: the
 # Triton lowering asks the runtime for the GPU's compute capability; we answer
 # "H200"). Catches lowering errors before the device run; PTX/SASS generation
-# still happens only on the GPU (`pallas_kernels.common.triton_ir_for_h200`).
+# still happens only on the GPU (`pallas_kernels.common.triton_ir_for_sm90`).
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -348,7 +339,7 @@ class TestTritonLowering:
     @pytest.mark.parametrize("config", [fq.DEFAULT_CONFIG, *fq.SWEEP_CONFIGS], ids=str)
     def test_quant_lowers(self, config):
         w = jax.ShapeDtypeStruct((2, 300, 200), jnp.bfloat16)
-        with triton_ir_for_h200():
+        with triton_ir_for_sm90():
             text = fq._quantize_stacked.trace(w, config, False).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
 
@@ -360,7 +351,7 @@ class TestTritonLowering:
         kb = -(-k // 128)
         args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, kb), jnp.float32),
                 jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((-(-n // 128), kb), jnp.float32))
-        with triton_ir_for_h200():
+        with triton_ir_for_sm90():
             lowered = fg._fp8_gemm.trace(*args, jnp.dtype(jnp.bfloat16), config, False)
             text = lowered.lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
@@ -374,15 +365,15 @@ def test_configs_are_frozen_and_hashable():
 
 
 def test_benchmark_results_record_where_they_ran(tmp_path):
-    """Kernel benchmarks (``write_results``) and experiments (``fp8rl_jax.environment``) record the
+    """Kernel sweeps (``write_results``) and experiments (``fp8rl_jax.environment``) record the
     device, the versions and the date next to their rows."""
     import datetime
     import json
 
     import flax
 
+    from experiments.bench.tables import write_results
     from fp8rl_jax.environment import run_environment
-    from pallas_kernels.common import write_results
 
     write_results(tmp_path / "r.json", [{"ms": 1.0}])
     saved = json.loads((tmp_path / "r.json").read_text())
@@ -391,3 +382,18 @@ def test_benchmark_results_record_where_they_ran(tmp_path):
     assert datetime.datetime.fromisoformat(saved["date"]).tzinfo is not None
     env = run_environment(run="x")
     assert env["flax"] == flax.__version__ and env["run"] == "x" and env["jaxlib"] == saved["jaxlib"]
+
+
+@pytest.mark.parametrize("name", ["gemm_tune", "grouped_gemm", "quant_kernels"])
+def test_kernel_sweeps_are_runner_suites(name):
+    """The FP8 kernels' config sweeps run as benchmark-runner suites: registered under their name, and both
+    their default flags and their CPU smoke flags parse (the CI smoke run executes the latter)."""
+    import argparse
+
+    from experiments.bench.__main__ import load_suite
+
+    suite = load_suite(name)
+    parser = argparse.ArgumentParser()
+    suite.add_arguments(parser)
+    parser.parse_args([])
+    assert suite.SMOKE is not None and parser.parse_args(suite.SMOKE)

@@ -271,11 +271,10 @@ def _child(out_path: str) -> None:
     from fp8rl_jax.parallel import (
         batch_sharding,
         make_mesh,
-        make_sharded_train_step,
         param_shardings,
         shard_params,
-        shard_train_state,
     )
+    from fp8rl_jax.rl.sharded import make_sharded_train_step, shard_train_state
     from fp8rl_jax.quant.policy import W8A8Policy
     from fp8rl_jax.rl.trainer import (
         ComputeDtype,

@@ -50,6 +50,7 @@ def _child(out_path: str) -> None:
     from fp8rl_jax.parallel import MeshConfig, ShardingPreset, make_mesh, shard_params
     from fp8rl_jax.numerics.fp8 import QuantizedWeight
     from fp8rl_jax.quant.policy import Kernels
+    from fp8rl_jax.rollout import programs
     from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
     from fp8rl_jax.rollout.sampling import SamplingConfig
 
@@ -93,18 +94,16 @@ def _child(out_path: str) -> None:
                          "pool_spec": list(engine.cache.k_pages[0].sharding.spec),
                          "pool_devices": len(engine.cache.k_pages[0].sharding.device_set)}
 
-    from fp8rl_jax.rollout import engine as engine_mod
-
     ref = run(JaxEngine(CFG, params, base))
     for tp in (2, 4):
         mesh = make_mesh(MeshConfig(tensor=tp), jax.devices()[:tp])
         eng = JaxEngine(CFG, params, base, mesh=mesh)
         # programs compiled by this engine's first two generates (a new mesh: new programs)
-        before = engine_mod._prefill._cache_size(), engine_mod._decode._cache_size()
+        before = programs.prefill_jit._cache_size(), programs.decode_jit._cache_size()
         compare(f"tp{tp}", run(eng), ref, eng)
         run(eng)
-        results[f"tp{tp}"]["compiles"] = [engine_mod._prefill._cache_size() - before[0],
-                                          engine_mod._decode._cache_size() - before[1]]
+        results[f"tp{tp}"]["compiles"] = [programs.prefill_jit._cache_size() - before[0],
+                                          programs.decode_jit._cache_size() - before[1]]
         q = eng.params["layers"][0]["self_attn"]["q_proj"]["weight"].get_value()
         o = eng.params["layers"][0]["self_attn"]["o_proj"]["weight"].get_value()
         results[f"tp{tp}"]["q_o_specs"] = [list(q.sharding.spec), list(o.sharding.spec)]

@@ -13,6 +13,7 @@ block, and a row may have no real token at all.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.bench.suites import prefill_attention as suite
 from fp8rl_jax.models import PagedKVCache
 from fp8rl_jax.numerics.fp8 import saturating_cast
 from fp8rl_jax.quant.policy import Kernels
@@ -269,7 +271,7 @@ def test_reference_matches_gather_all_path():
     vp = jnp.nan_to_num(args[2])
     args = (args[0], kp, vp, *args[3:])
     table = jnp.clip(args[5], 0, kp.shape[0] - 1)
-    dense = pf.gather_all_attention(*args[:5], table, *args[6:])
+    dense = suite.gather_all_attention(*args[:5], table, *args[6:])
     twin = pf.prefill_attention_reference(*args)
     np.testing.assert_allclose(real_rows(twin, num_new), real_rows(dense, num_new), rtol=1e-5, atol=1e-6)
 
@@ -333,14 +335,22 @@ def test_fit_config_and_flops():
         assert pf.smem_bytes(c.block_q, c.pages_per_block, 4, 16, 128, pool, qd, 3) <= pf._SMEM_BUDGET
         assert pf.smem_bytes(c.block_q * 2, c.pages_per_block * 2, 4, 16, 128, pool, qd, 3) > pf._SMEM_BUDGET
     # 2 rows: 3 new tokens after 2 cached keys (3 + 4 + 5 keys) and 2 from scratch (1 + 2)
-    assert pf.attention_flops(np.array([2, 0]), np.array([3, 2]), 1, 1) == 4 * 15
+    assert suite.attention_flops(np.array([2, 0]), np.array([3, 2]), 1, 1) == 4 * 15
 
 
-def test_main_without_gpu(capsys):
-    if jax.default_backend() == "gpu":
-        pytest.skip("the GPU run is the benchmark itself")
-    assert pf.main(["--quick"]) == 0
-    assert "needs a GPU" in capsys.readouterr().out
+def test_benchmark_suite_smoke():
+    """The runner's suite on its CPU smoke flags (interpret mode off the GPU): every config timed, each within the
+    twin's tolerance, the gather-all baseline timed, FLOPs as `attention_flops` counts them."""
+    parser = argparse.ArgumentParser()
+    suite.add_arguments(parser)
+    args = parser.parse_args(suite.SMOKE)
+    payload = suite.run(args)
+    assert payload["results"]
+    for row in payload["results"]:
+        assert row["flops"] == suite.attention_flops(np.full(row["B"], row["lengths"]), np.full(row["B"], row["T"]),
+                                                     *args.heads[::2])
+        assert row["configs"] and all("error" not in c and c["ms"] > 0 for c in row["configs"])
+        assert row["best"]["max_rel_err"] < TOL_REF[BF16] and row["gather_all_ms"] > 0
 
 
 @pytest.mark.gpu

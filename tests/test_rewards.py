@@ -509,7 +509,7 @@ def test_never_raises_and_is_fast_on_garbage(monkeypatch) -> None:
     # a deadline that fires inside a gc callback is swallowed there and reported to sys.unraisablehook
     # (the retry tick then fires again: test_deadline_fires_again_when_its_exception_is_swallowed); pytest's
     # hook is Python code that formats a traceback, and a retry tick landing inside it made pytest fail this
-    # test with "Failed to process unraisable exception" (once, in a full-suite run of session 19). Reports go to a
+    # test with "Failed to process unraisable exception" (seen once in a full-suite run). Reports go to a
     # builtin append here, which no tick can interrupt; the contract below is about what math_reward returns.
     monkeypatch.setattr(sys, "unraisablehook", [].append)
     module._parse_cached.cache_clear()

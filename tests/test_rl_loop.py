@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import json
 
 import jax
@@ -19,7 +21,11 @@ from fp8rl_jax.rl.loop import (MetricsLogger, build_batch, make_sft_step, plot_m
                                sync_weights, with_trainer_logprobs)
 from fp8rl_jax.rl.trainer import (ComputeDtype, TrainerConfig, init_train_state, make_logprob_fn, make_optimizer,
                                   token_logprobs)
-from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine, KvCalibration
+from fp8rl_jax.quant.policy import GemmBackend
+from fp8rl_jax.quant.training import Fp8TrainPolicy
+from fp8rl_jax.rollout.base import GENERATOR_MEMBERS
+from fp8rl_jax.rollout.config import EngineConfig, KvCalibration
+from fp8rl_jax.rollout.engine import JaxEngine
 from fp8rl_jax.rollout.sampling import SamplingConfig
 from fp8rl_jax.tasks import AdditionTask, PromptDataset, exact_match_reward, load_examples
 
@@ -32,7 +38,9 @@ def test_override_parses_by_field_type():
         "rollout.temperature=0.7", "rollout.n_samples=4", "precision.rollout=w8a8", "precision.train_fp8=true",
         "algorithm.loss.agg=seq_mean_token_sum", "algorithm.loss.dual_clip=3.0", "optimizer.max_grad_norm=none",
         "algorithm.loss.correction=TOKEN_MIS", "model.eos_token_ids=(1, 2)", "data.train_path=/x.jsonl",
-        "rollout.sampling_draw=gumbel"])
+        "rollout.engine.sampling_draw=gumbel", "rollout.engine.swap_space_gib=4",
+        "rollout.engine.decode_buckets=16,64", "rollout.engine.fuse_projections=none", "rollout.engine.fp8_gemm=triton",
+        "rollout.engine.fp8_block=64,64", "rollout.engine.overlap_host=off"])
     assert cfg.rollout.temperature == 0.7 and cfg.rollout.n_samples == 4
     assert cfg.precision.rollout is Fp8Mode.W8A8 and cfg.precision.train_fp8 is True
     assert cfg.algorithm.loss.agg is LossAgg.SEQ_MEAN_TOKEN_SUM and cfg.algorithm.loss.dual_clip == 3.0
@@ -41,23 +49,36 @@ def test_override_parses_by_field_type():
     assert QUICKSTART.rollout.temperature == 1.0  # frozen: the preset is untouched
     assert cfg.engine_config().precision is Fp8Mode.W8A8
     assert cfg.engine_config().sampling_draw.value == "gumbel" and QUICKSTART.engine_config().sampling_draw.value == "inverse_cdf"
-    from fp8rl_jax.quant.training import Fp8TrainPolicy
-
+    ec = cfg.engine_config()
+    assert (ec.swap_space_gib, ec.decode_buckets, ec.fuse_projections, ec.fp8_gemm, ec.fp8_block, ec.overlap_host) == (
+        4.0, (16, 64), None, GemmBackend.TRITON, (64, 64), False)
     assert isinstance(cfg.train_policy(), Fp8TrainPolicy) and isinstance(QUICKSTART.train_policy(), DensePolicy)
     tc = cfg.trainer_config()
     assert isinstance(tc, TrainerConfig) and tc.loss is cfg.algorithm.loss
 
 
 @pytest.mark.parametrize("bad, match", [
-    ("rollout.n_sample=4", "unknown field 'n_sample'"),
+    ("rollout.n_sample=4", "unknown key 'rollout.n_sample'; did you mean rollout.n_samples\\?"),
+    ("rollout.max_seq_len=64", "did you mean rollout.engine.max_seq_len\\?"),  # the leaf name, found in the tree
+    ("rollout.engine.swap_space=4", "did you mean rollout.engine.swap_space_gib\\?.*rollout.engine has .*record_routing"),
+    ("rollout.engine.swap_space_gib=-1", "--set rollout.engine.swap_space_gib: .*swap_space_gib must be >= 0"),
+    ("rollout.engine.fp8_gemm=cutlass", "rollout.engine.fp8_gemm: 'cutlass' is not one of"),
+    ("rollout.engine.fp8_block=128", "not a tuple of 2 values"),
+    ("rollout.engine.overlap_host=maybe", "'maybe' is not a bool"),
+    ("rollout.engine.decode_buckets=16,1024", "decode_buckets must be a tuple of ints in \\[1, max_slots"),
+    ("rollout.engine.precision=none", "engine's precision is set by precision.rollout"),
+    ("rollout.engine.dtype=float32", "engine's dtype is set by trainer.compute_dtype"),
+    ("rollout.engine.record_routing=true", "record_routing .* needs an MoE model"),
+    ("rollout.max_new_tokens=32", "leaves no room for a prompt under rollout.engine.max_seq_len = 32"),
+    ("roll.n_samples=4", "valid keys start with .*rollout"),
     ("rollout.n_samples=0", "rollout.n_samples must be an int >= 1"),
     ("rollout.n_samples=two", "'two' is not a valid int"),
     ("precision.rollout=fp4", "'fp4' is not one of"),
     ("rollout.top_p=1.5", "top_p"),
     ("optimizer.lr=-1", "lr must be > 0"),
     ("trainer.micro_batches=3", "must divide the batch"),
-    ("rollout.max_seq_len=100000", "max_position_embeddings"),
-    ("rollout.stall_timeout_s=-5", "stall_timeout_s must be >= 0"),
+    ("rollout.engine.max_seq_len=100000", "max_position_embeddings"),
+    ("rollout.engine.stall_timeout_s=-5", "stall_timeout_s must be >= 0"),
     ("rollout", "section.field=value"),
 ])
 def test_override_rejects_bad_values_naming_the_field(bad, match):
@@ -76,6 +97,87 @@ def test_sweep_and_presets():
     assert PRESETS["aime24_qwen3_8b"].engine_config().stall_timeout_s == 900.0
     assert QUICKSTART.engine_config().stall_timeout_s == 0.0
     assert rlconfig.AlgorithmConfig(estimator=AdvantageEstimator.GAE).uses_value_head  # PPO + GAE: tests/test_value_head.py
+
+
+def test_presets_give_the_engine_the_settings_they_always_had():
+    """The presets' engine settings, field by field (the RL-level fields filled in): the quickstart's
+    numbers depend on them. The 30B-A3B preset adds MoE routing replay."""
+    quick = EngineConfig(max_slots=256, page_size=8, kv_budget_gib=0.004, max_seq_len=32, steps_per_call=5,
+                         prefill_batch=256, precision=Fp8Mode.ALL, dtype="bfloat16",
+                         kv_calibration=KvCalibration.INFERENCE)
+    aime = EngineConfig(max_slots=256, page_size=16, kv_budget_gib=60.0, max_seq_len=22_528, steps_per_call=16,
+                        prefill_batch=16, precision=Fp8Mode.ALL, dtype="bfloat16", stall_timeout_s=900.0)
+    assert QUICKSTART.engine_config() == quick
+    assert PRESETS["aime24_qwen3_8b"].engine_config() == aime
+    assert PRESETS["aime24_qwen3_30b_a3b"].engine_config() == dataclasses.replace(aime, record_routing=True)
+    # the rollout section's defaults: EngineConfig's, with a wider decode batch and prefill call
+    default = rlconfig.RLConfig(model=dataclasses.replace(tiny_qwen3, max_position_embeddings=4096)).engine_config()
+    assert default == EngineConfig(max_slots=64, prefill_batch=16, precision=Fp8Mode.ALL)
+
+
+def test_engine_fields_the_rl_level_sets():
+    """``rollout.engine`` may repeat what the RL level sets, never contradict it; ``engine_config``
+    fills those fields in from the RL level."""
+    base = dict(model=dataclasses.replace(tiny_qwen3, max_position_embeddings=4096),
+                precision=rlconfig.PrecisionConfig(rollout=Fp8Mode.KV))
+    same = rlconfig.RLConfig(rollout=rlconfig.RolloutConfig(engine=EngineConfig(precision=Fp8Mode.KV)), **base)
+    assert same.engine_config().precision is Fp8Mode.KV
+    with pytest.raises(rlconfig.ConfigError, match="rollout.engine.precision = w8a8 disagrees with precision.rollout"
+                                                   " = kv, which sets it: set precision.rollout instead"):
+        rlconfig.RLConfig(rollout=rlconfig.RolloutConfig(engine=EngineConfig(precision=Fp8Mode.W8A8)), **base)
+    f32 = rlconfig.override(rlconfig.RLConfig(**base), ["trainer.compute_dtype=float32",
+                                                        "precision.kv_calibration=trainer"])
+    ec = f32.engine_config()
+    assert (ec.dtype, ec.kv_calibration, ec.precision) == ("float32", KvCalibration.TRAINER, Fp8Mode.KV)
+    assert f32.rollout.engine.dtype == "bfloat16"  # the section itself is left as given
+
+
+def test_routing_replay_preset_and_override_order():
+    """The 30B-A3B preset records MoE routing (the loop's batches then replay it); turning it off to
+    run on vLLM works in either order of the two assignments, and not without it."""
+    moe = PRESETS["aime24_qwen3_30b_a3b"]
+    assert moe.engine_config().record_routing and not PRESETS["aime24_qwen3_8b"].engine_config().record_routing
+    for sets in (["rollout.backend=vllm", "rollout.engine.record_routing=false"],
+                 ["rollout.engine.record_routing=false", "rollout.backend=vllm"]):
+        cfg = rlconfig.override(moe, sets)
+        assert cfg.rollout.backend is rlconfig.RolloutBackend.VLLM and not cfg.rollout.engine.record_routing
+    with pytest.raises(rlconfig.ConfigError, match="record_routing .* needs rollout.backend=jax"):
+        rlconfig.override(moe, ["rollout.backend=vllm"])
+    assert rlconfig.override(QUICKSTART, ["data.steps=3", "data.steps=5"]).data.steps == 5  # the last one wins
+
+
+def test_config_keys_cover_every_engine_field():
+    keys = rlconfig.config_keys(QUICKSTART)
+    assert {f"rollout.engine.{f.name}" for f in dataclasses.fields(EngineConfig)} <= set(keys)
+    for key in keys:  # every key round-trips through override as its own string form
+        value = functools.reduce(getattr, key.split("."), QUICKSTART)
+        if key.split(".")[-1] in rlconfig.ENGINE_FIELDS_FROM_RL and key.startswith("rollout.engine."):
+            continue
+        text = value.value if isinstance(value, enum.Enum) else ",".join(map(str, value)) if isinstance(value, tuple) \
+            else str(value)
+        if isinstance(value, tuple) and not value:
+            text = "()"
+        assert rlconfig.to_dict(rlconfig.override(QUICKSTART, [f"{key}={text}"])) == rlconfig.to_dict(QUICKSTART), key
+
+
+@dataclasses.dataclass(frozen=True)
+class _Experiment:
+    rl: rlconfig.RLConfig = QUICKSTART
+    sft_steps: int = 10
+
+
+def test_experiment_configs_take_the_same_keys():
+    """An experiment's config that holds an RLConfig takes the RL keys without a prefix (and with
+    one), its own fields by name; an unknown key lists the valid ones nearby."""
+    a = rlconfig.override(_Experiment(), ["data.steps=3", "sft_steps=4", "rollout.engine.swap_space_gib=2"])
+    b = rlconfig.override(_Experiment(), ["rl.data.steps=3", "sft_steps=4", "rl.rollout.engine.swap_space_gib=2"])
+    assert a == b and (a.rl.data.steps, a.sft_steps, a.rl.rollout.engine.swap_space_gib) == (3, 4, 2.0)
+    with pytest.raises(rlconfig.ConfigError, match="unknown key 'sft_step'; did you mean sft_steps\\?"):
+        rlconfig.override(_Experiment(), ["sft_step=4"])
+    with pytest.raises(rlconfig.ConfigError, match="did you mean data.steps\\?"):
+        rlconfig.override(_Experiment(), ["rl.data.step=4"])
+    with pytest.raises(rlconfig.ConfigError, match="engine's precision is set by precision.rollout"):
+        rlconfig.override(_Experiment(), ["rl.rollout.engine.precision=all"])
 
 
 # ------------------------------------------------------------------------------------ tasks and data
@@ -251,12 +353,26 @@ def test_metrics_logger_jsonl_tensorboard_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+class _ProtocolOnly:
+    """A generator seen through the ``Generator`` protocol only: any other attribute raises."""
+
+    def __init__(self, inner):
+        self._inner, self.used = inner, set()
+
+    def __getattr__(self, name):
+        if name not in GENERATOR_MEMBERS:
+            raise AttributeError(f"the RL loop used {name!r}, which is not in the Generator protocol")
+        self.used.add(name)
+        return getattr(self._inner, name)
+
+
 def test_rl_step_sleeping_engine_frees_the_pool_and_changes_nothing(tiny_setup):
     """``rollout.sleep_while_training``: after each step's rollout the engine's KV pool and weight
     copy are freed (the trainer's update runs without them; the weight sync hands new weights
     over) and the next rollout allocates the pool
     again; two steps give the same metrics and params as with the pool kept (float32, FP8 KV with
-    trainer-side scales synced while asleep)."""
+    trainer-side scales synced while asleep). The loop sees the engine through the ``Generator``
+    protocol only (``_ProtocolOnly`` raises on anything else)."""
     from fp8rl_jax.rl.loop import Task, rl_step
     from fp8rl_jax.rl.trainer import make_train_step
     from fp8rl_jax.tasks import Example
@@ -266,8 +382,9 @@ def test_rl_step_sleeping_engine_frees_the_pool_and_changes_nothing(tiny_setup):
     def run_two(sleep: bool):
         rc = rlconfig.RLConfig(
             model=cfg,
-            rollout=rlconfig.RolloutConfig(n_samples=2, max_new_tokens=5, max_seq_len=32, max_slots=8, page_size=4,
-                                           steps_per_call=4, prefill_batch=8, sleep_while_training=sleep),
+            rollout=rlconfig.RolloutConfig(n_samples=2, max_new_tokens=5, sleep_while_training=sleep,
+                                           engine=EngineConfig(max_seq_len=32, max_slots=8, page_size=4,
+                                                               steps_per_call=4, prefill_batch=8)),
             trainer=rlconfig.TrainConfig(micro_batches=1, compute_dtype=ComputeDtype.FLOAT32),
             precision=rlconfig.PrecisionConfig(rollout=Fp8Mode.KV, kv_calibration=KvCalibration.TRAINER),
             data=rlconfig.DataConfig(prompts_per_step=2, steps=2, eval_every=0))
@@ -289,12 +406,15 @@ def test_rl_step_sleeping_engine_frees_the_pool_and_changes_nothing(tiny_setup):
             def train(s, b):
                 assert engine.asleep and engine.params is None
                 return train_step(s, b)
+        strict = _ProtocolOnly(engine)
         rows = []
         for step in range(2):
-            state, m = rl_step(step, state, cfg=rc, task=task, engine=engine, train_step=train,
+            state, m = rl_step(step, state, cfg=rc, task=task, engine=strict, train_step=train,
                                logprob_fn=logprob_fn, model_config=cfg)
             assert engine.asleep == sleep and engine.kv_scales_fresh
             rows.append({k: v for k, v in m.items() if not k.startswith("time/") and "per_s" not in k})
+
+        assert strict.used == {"generate", "update_weights", "set_kv_scales", "params"} | ({"sleep"} if sleep else set())
         return rows, state
 
     rows_kept, state_kept = run_two(False)

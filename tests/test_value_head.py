@@ -524,8 +524,9 @@ def test_run_two_gae_steps_end_to_end(tmp_path):
     mcfg = dataclasses.replace(SMALL1, vocab_size=32, eos_token_ids=(1,), max_position_embeddings=64)
     cfg = rlconfig.RLConfig(
         model=mcfg,
-        rollout=rlconfig.RolloutConfig(n_samples=4, max_new_tokens=5, max_seq_len=32, max_slots=8, page_size=4,
-                                       steps_per_call=4, prefill_batch=8),
+        rollout=rlconfig.RolloutConfig(n_samples=4, max_new_tokens=5,
+                                       engine=EngineConfig(max_seq_len=32, max_slots=8, page_size=4, steps_per_call=4,
+                                                           prefill_batch=8)),
         algorithm=rlconfig.AlgorithmConfig(estimator=AdvantageEstimator.GAE, lam=0.95,
                                            loss=LossConfig(correction=Correction.TOKEN_TIS, entropy_metric=False)),
         optimizer=OptimizerConfig(lr=1e-3),

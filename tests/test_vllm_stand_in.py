@@ -5,6 +5,7 @@ runs the real one on the GPU)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,9 @@ from fp8rl_jax.numerics.fp8 import QuantizedWeight
 from fp8rl_jax.rl import config as rlconfig
 from fp8rl_jax.rl.generator import generator_environment, make_generator
 from fp8rl_jax.rollout import vllm_backend as vb
-from fp8rl_jax.rollout.engine import JaxEngine, KvCalibration
+from fp8rl_jax.rollout.base import GENERATOR_MEMBERS, Generator
+from fp8rl_jax.rollout.config import EngineConfig, KvCalibration
+from fp8rl_jax.rollout.engine import JaxEngine
 from fp8rl_jax.rollout.sampling import SamplingConfig
 
 # FP8 blocks need whole 128-row parts (vLLM fuses q/k/v and gate/up): q 256, k/v 128, gate/up 384 rows
@@ -109,8 +112,9 @@ def test_discarded_weights_refuse_generate_until_an_update(stand_in, tmp_path):
 def _rl_config(backend, precision=Fp8Mode.ALL, kv_calibration=KvCalibration.INFERENCE, **rollout):
     return rlconfig.RLConfig(
         model=ALIGNED,
-        rollout=rlconfig.RolloutConfig(n_samples=2, max_new_tokens=4, max_seq_len=32, max_slots=8, page_size=4,
-                                       steps_per_call=4, prefill_batch=8, backend=backend, **rollout),
+        rollout=rlconfig.RolloutConfig(n_samples=2, max_new_tokens=4, backend=backend, **rollout,
+                                       engine=EngineConfig(max_seq_len=32, max_slots=8, page_size=4, steps_per_call=4,
+                                                           prefill_batch=8)),
         trainer=rlconfig.TrainConfig(micro_batches=1),
         precision=rlconfig.PrecisionConfig(rollout=precision, kv_calibration=kv_calibration),
         data=rlconfig.DataConfig(prompts_per_step=2, steps=2, eval_every=0))
@@ -163,9 +167,85 @@ def test_rl_steps_on_the_vllm_backend(stand_in, tmp_path):
         tc, policy = cfg.trainer_config(), cfg.train_policy()
         train_step, logprob_fn = make_train_step(ALIGNED, policy, tc, opt), make_logprob_fn(ALIGNED, policy, tc)
         for step in range(2):
-            state, m = rl_step(step, state, cfg=cfg, task=task, engine=gen, train_step=train_step,
+            state, m = rl_step(step, state, cfg=cfg, task=task, engine=_ProtocolOnly(gen), train_step=train_step,
                                logprob_fn=logprob_fn, model_config=ALIGNED)
             assert np.isfinite(m["mismatch/kl_k3"]) and m["time/weight_sync_s"] > 0
         generates = [c for c in llm.calls if c[0] == "generate"]
         assert llm.version == 3 and len(generates) == 2  # start sync + one per step; one rollout per step
         assert all(s != (1.0, 1.0) for _, _, scales in generates for s in scales)  # never vLLM's default
+
+
+class _ProtocolOnly:
+    """The generator seen through the ``Generator`` protocol only: any other attribute raises."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        if name not in GENERATOR_MEMBERS:
+            raise AttributeError(f"the RL loop used {name!r}, which is not in the Generator protocol")
+        return getattr(self._inner, name)
+
+
+def _compatible(protocol: inspect.Signature, impl: inspect.Signature) -> list[str]:
+    """How ``impl`` fails to accept every call ``protocol`` allows (empty when it does)."""
+    problems = []
+    got = impl.parameters
+    for name, p in protocol.parameters.items():
+        q = got.get(name)
+        if q is None:
+            problems.append(f"no parameter {name!r}")
+        elif (q.kind, q.default) != (p.kind, p.default):
+            problems.append(f"{name!r}: {q.kind.name} default {q.default!r}, protocol {p.kind.name} default {p.default!r}")
+    extra = [n for n, q in got.items() if n not in protocol.parameters and q.default is inspect.Parameter.empty
+             and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+    return problems + [f"extra required parameter {n!r}" for n in extra]
+
+
+def test_both_generators_implement_the_whole_protocol(stand_in, tmp_path):
+    """JaxEngine and VLLMGenerator have every ``Generator`` member, methods with signatures that
+    accept every call the protocol allows; ``GENERATOR_MEMBERS`` lists exactly the protocol's."""
+    declared = {n for n, v in vars(Generator).items() if not n.startswith("_") and (callable(v) or
+                                                                                    isinstance(v, property))}
+    assert declared == set(GENERATOR_MEMBERS)
+    assert all(getattr(Generator, name).__doc__ for name in GENERATOR_MEMBERS)
+    for cls in (JaxEngine, vb.VLLMGenerator):
+        for name in GENERATOR_MEMBERS:
+            if name == "params":
+                continue
+            want, got = inspect.signature(getattr(Generator, name)), inspect.signature(getattr(cls, name))
+            assert not _compatible(want, got), (cls.__name__, name, _compatible(want, got))
+    params = init_params(ALIGNED, jax.random.key(0), jnp.bfloat16)
+    engine = JaxEngine(ALIGNED, params, EngineConfig(max_slots=4, page_size=4, num_pages=16, max_seq_len=32))
+    gen = _generator(tmp_path, params)
+    assert engine.params is not None and gen.params is None  # vLLM's weights are torch tensors inside it
+    def other_default(self, weights=True): ...
+
+    def extra_required(self, weights=False, level=1, *, tags): ...
+
+    assert _compatible(inspect.signature(Generator.sleep), inspect.signature(other_default)) == [
+        "'weights': POSITIONAL_OR_KEYWORD default True, protocol POSITIONAL_OR_KEYWORD default False"]
+    assert _compatible(inspect.signature(Generator.sleep), inspect.signature(extra_required)) == [
+        "extra required parameter 'tags'"]
+
+
+def test_vllm_sleep_and_wake(stand_in, tmp_path):
+    """``sleep`` is vLLM's sleep at the configured level, once (generate already slept: a no-op), and
+    a no-op without sleep mode; ``wake`` brings it back, and ``generate`` wakes it itself."""
+    params = init_params(ALIGNED, jax.random.key(0), jnp.bfloat16)
+    scales = np.full(2, 0.1, np.float32), np.full(2, 0.1, np.float32)
+    off = _generator(tmp_path / "off", params)
+    off.sleep(weights=True)
+    off.wake()
+    assert not [c for c in stand_in.LLM.instances[-1].calls if c[0] in ("sleep", "wake")]
+    gen = _generator(tmp_path / "on", params, sleep=vb.SleepLevel.OFFLOAD_WEIGHTS)
+    llm = stand_in.LLM.instances[-1]
+    gen.set_kv_scales(*scales)
+    gen.sleep(weights=True)
+    gen.sleep()
+    assert [c[0] for c in llm.calls if c[0] in ("sleep", "wake")] == ["sleep"]
+    gen.wake()
+    gen.wake()
+    gen.generate(PROMPTS, GREEDY)  # then sleeps again (the configured level); the loop's sleep is a no-op
+    gen.sleep(weights=True)
+    assert [c[0] for c in llm.calls if c[0] in ("sleep", "wake")] == ["sleep", "wake", "sleep"]

@@ -43,8 +43,9 @@ def test_stopped_watchdog_never_fires():
 
 
 def test_engine_reports_a_decode_that_stops_finishing():
-    """A decode chunk that blocks past stall_timeout_s is reported (once, with the generate's
-    counters) while it blocks; the generate itself still completes unchanged when it resumes.
+    """A host loop blocked past stall_timeout_s after its first decode chunk (a progress callback that
+    sleeps stands in for a device program that stopped finishing) is reported once, with the generate's
+    counters, while it blocks; the generate itself still completes unchanged when it resumes.
     Without the option no watchdog runs. (One decoder layer: the watchdog wraps the engine's host loop,
     whatever the model; XLA's CPU compile of the engine's programs grows with the depth.)"""
     cfg = dataclasses.replace(tiny_qwen3, num_layers=1)
@@ -59,15 +60,14 @@ def test_engine_reports_a_decode_that_stops_finishing():
     eng.warmup(min_prompt_len=5, max_prompt_len=8)  # no compile inside the watched generate
     stalls = []
     eng.on_stall = stalls.append
-    finish, n = eng._finish_decode, [0]
+    reports = []
 
-    def slow_second_chunk(*args):  # the host waits for a chunk's tokens in _finish_decode
-        n[0] += 1
-        if n[0] == 2:
+    def slow_after_first_chunk(snapshot):  # the host loop calls it after every device call it reads
+        reports.append(snapshot)
+        if snapshot["decode_calls"] == 1 and sum(r["decode_calls"] == 1 for r in reports) == 1:
             time.sleep(3.0)  # stands in for a device program that stopped finishing
-        return finish(*args)
 
-    eng._finish_decode = slow_second_chunk
+    eng.progress = slow_after_first_chunk
     got = eng.generate(prompts, sampling)
     assert len(stalls) == 1 and "JaxEngine.generate: no progress" in stalls[0] and '"decode_calls": 1' in stalls[0]
     assert got.token_lists() == want.token_lists()

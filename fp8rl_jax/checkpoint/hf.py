@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer
 
 from fp8rl_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from fp8rl_jax.models.config import ConfigError, ModelConfig, fp8_block_size, fp8_quantization_config
@@ -118,8 +119,6 @@ def load_tokenizer(path: str | Path):
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         return None
-    from tokenizers import Tokenizer
-
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # the tokenizers library raises a bare Exception on parse errors

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fp8rl_jax.numerics.fp8 import QuantizedWeight
+
 # (module path in a layer, parts, leaf under each part): the parts' weights are concatenated on their
 # output axis (-2: rows of a [N, K] weight, or of every expert of a stacked [E, N, K] one).
 FUSED_GROUPS = ((("self_attn",), ("q_proj", "k_proj", "v_proj"), ("weight",)),
@@ -74,8 +76,6 @@ def concat_parts(parts: list[Any]) -> Any | None:
     """The parts ([N_i, K] weights, or stacked experts [E, N_i, K]) concatenated on the output axis
     (-2), or None where they cannot be (quantized parts that do not end on a block row, mixed precision
     or rank, other input widths or expert counts)."""
-    from fp8rl_jax.numerics.fp8 import QuantizedWeight  # the quant package imports the models
-
     if any(isinstance(p, FusedWeight) for p in parts) or len({len(p.shape) for p in parts}) != 1:
         return None
     if len(parts[0].shape) not in (2, 3) or len({(*p.shape[:-2], p.shape[-1]) for p in parts}) != 1:

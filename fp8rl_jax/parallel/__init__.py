@@ -1,7 +1,7 @@
-"""Scale-out on JAX's own sharding: a named device mesh, logical axes for every parameter, presets
-mapping them to mesh axes (data, FSDP, tensor, expert parallel) and the trainer's step jitted on
-the mesh (``mesh.py``, ``rules.py``, ``train.py``; design notes in each), and the multi-host
-start from environment variables (``distributed.py``)."""
+"""Scale-out on JAX's own sharding: a named device mesh and the batch layout on it (``mesh.py``),
+logical axes for every parameter and presets mapping them to mesh axes (data, FSDP, tensor, expert
+parallel; ``rules.py``), and the multi-host start from environment variables (``distributed.py``).
+The trainer's step jitted on a mesh sits above, in :mod:`fp8rl_jax.rl.sharded`."""
 
 from fp8rl_jax.parallel.distributed import (
     DistributedConfigError,
@@ -14,6 +14,9 @@ from fp8rl_jax.parallel.mesh import (
     MESH_AXES,
     MeshAxis,
     MeshConfig,
+    batch_sharding,
+    batch_shards,
+    batch_spec,
     make_mesh,
     mesh_sizes,
 )
@@ -41,14 +44,6 @@ from fp8rl_jax.parallel.rules import (
     shard_params,
     spec_for,
 )
-from fp8rl_jax.parallel.train import (
-    ShardedTrainStep,
-    batch_sharding,
-    batch_spec,
-    make_sharded_train_step,
-    shard_train_state,
-    train_state_specs,
-)
 
 __all__ = [
     "BATCH_AXES",
@@ -65,7 +60,6 @@ __all__ = [
     "MeshAxis",
     "MeshConfig",
     "ParamAxes",
-    "ShardedTrainStep",
     "ShardingError",
     "ShardingFallbackWarning",
     "ShardingPlan",
@@ -73,12 +67,12 @@ __all__ = [
     "ShardingRules",
     "axis_sizes",
     "batch_sharding",
+    "batch_shards",
     "batch_spec",
     "follow_params",
     "initialize_distributed",
     "logical_axes",
     "make_mesh",
-    "make_sharded_train_step",
     "mesh_sizes",
     "named_shardings",
     "param_axes",
@@ -86,7 +80,5 @@ __all__ = [
     "plan_params",
     "settings_from_env",
     "shard_params",
-    "shard_train_state",
     "spec_for",
-    "train_state_specs",
 ]

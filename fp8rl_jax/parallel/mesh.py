@@ -21,7 +21,8 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 class MeshAxis(enum.Enum):
@@ -98,3 +99,20 @@ def mesh_sizes(mesh: Mesh | MeshConfig) -> dict[MeshAxis, int]:
         raise ValueError(f"mesh axes {tuple(shape)} are not the fp8rl_jax axes {tuple(a.value for a in MESH_AXES)} "
                          f"(missing {missing}, unknown {extra}); build the mesh with make_mesh(MeshConfig(...))")
     return {a: int(shape[a.value]) for a in MESH_AXES}
+
+
+def batch_spec() -> P:
+    """``B`` (dim 0) over every mesh axis but ``tensor``; the other dims whole."""
+    return P(tuple(a.value for a in BATCH_AXES))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """The sharding of a batch's arrays on ``mesh``: :func:`batch_spec`."""
+    mesh_sizes(mesh)
+    return NamedSharding(mesh, batch_spec())
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many ways a batch is split on ``mesh`` (product of ``BATCH_AXES``)."""
+    sizes = mesh_sizes(mesh)
+    return math.prod(sizes[a] for a in BATCH_AXES)

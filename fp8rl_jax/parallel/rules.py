@@ -49,8 +49,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.parallel.mesh import MeshAxis, MeshConfig, mesh_sizes
+from fp8rl_jax.models.qwen3 import abstract_params
 from fp8rl_jax.numerics.fp8 import QuantizedWeight
+from fp8rl_jax.parallel.mesh import MeshAxis, MeshConfig, mesh_sizes
 
 LogicalAxes = tuple[str, ...]
 
@@ -134,10 +135,6 @@ def _check_shape(path: tuple, shape: tuple[int, ...], axes: LogicalAxes, sizes: 
 
 def param_axes(config: ModelConfig) -> list[ParamAxes]:
     """The logical axes of every parameter of ``config`` (shapes checked against the config)."""
-    from fp8rl_jax.models.qwen3 import (
-        abstract_params,  # the model module is heavy; import on use
-    )
-
     sizes, rows = axis_sizes(config), []
     for path, var in nnx.to_flat_state(abstract_params(config)):
         shape, axes = tuple(var.get_value().shape), logical_axes(tuple(path))

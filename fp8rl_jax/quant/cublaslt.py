@@ -4,11 +4,10 @@ The W8A8 GEMM of `pallas_kernels.fp8_gemm` (same arguments, same math, `fp8_gemm
 reference): ``out [M, N] = A [M, K] @ B [N, K]^T`` with E4M3 operands, ``a_scale`` per token in 1x128
 groups and ``b_scale_inv`` per 128x128 block, float32 accumulation, bf16 or f32 out. cuBLAS (>= 12.9)
 does it with ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`` x ``BLK128x128_32F`` on Hopper: the scaling
-recipe and library of torch's ``scaled_mm`` BlockWise1x128 x BlockWise128x128, which ran at
-1.1-1.3 PFLOP/s on the H200 at M >= 2048 and 0.58-0.93 at M = 256 where our Mosaic kernel did
-0.53-1.0 and 0.30-0.48 (Qwen3-8B shapes, 2026-12-01, experiments/results/gemm_h200_session9.md). A
-well-kept library does this GEMM, so we call it rather than out-tune it; the Mosaic kernel stays the
-choice where it measures faster, and the dispatcher picks (``W8A8Policy.gemm`` / ``FP8RL_FP8_GEMM``).
+recipe and library of torch's ``scaled_mm`` BlockWise1x128 x BlockWise128x128. A well-kept library
+does this GEMM, so we call it rather than out-tune it; the Mosaic kernel stays the choice where it is
+faster, and the dispatcher picks (``W8A8Policy.gemm`` / ``FP8RL_FP8_GEMM``; numbers in
+docs/performance.md).
 
 How: ``csrc/cublaslt_fp8_gemm.cc`` is a small XLA FFI handler that needs no CUDA header to build
 (g++ and jaxlib's FFI headers): it declares the few cuBLASLt entry points it calls and dlopens
@@ -32,15 +31,13 @@ are grouped along the token axis. Whether a cuBLASLt runs that scaling is probed
 (`one_d_available`); the trainer falls back to BF16 tensor cores where it does not.
 
 Algorithm choice: cuBLASLt's heuristic ranks the algorithms it has for a shape and takes the first; at decode sizes
-that leaves most SMs idle on some shapes (H200, session 25: the fused q/k/v and o_proj at M = 128 ran 32-48 tiles of
-128 x 128 on 132 SMs, ~15 us for 17-25 MB of weights, under 1.4 TB/s). ``algo=(index, split_k)`` runs the
+that can leave most SMs idle (a few dozen 128 x 128 output tiles on 132 SMs). ``algo=(index, split_k)`` runs the
 algorithm at ``index`` of the heuristic's list, its K splits pinned to ``split_k`` when > 0 (1: none; more:
 float32 partials reduced by a second kernel), where cuBLASLt accepts that (else the heuristic's first: a table made
-with another cuBLASLt falls back, it does not fail). `list_algos` shows the list; ``experiments/tune_cublaslt_algos.py``
+with another cuBLASLt falls back, it does not fail). `list_algos` shows the list; ``python -m experiments.bench cublaslt_tune``
 times the candidates per (M bucket, N, K) by GPU time and writes the winners into a table the W8A8 policy reads
-(`fp8rl_jax.quant.policy.cublaslt_algo`). On the H200's cuBLASLt 13.1 (session 26) the heuristic lists one
-algorithm for every Qwen3-8B decode shape, and pinned splits gained at most 0.5 us a call, so no table is
-committed there.
+(`fp8rl_jax.quant.policy.cublaslt_algo`). No table is committed: on cuBLASLt 13.1 the heuristic lists one
+algorithm for every Qwen3-8B decode shape.
 
 Limits: E4M3 only; K a multiple of 128 (the 1D call pads its contraction), N a multiple of 16; out
 bfloat16 or float32; CUDA only (anywhere else the calls raise and `available` says why).
@@ -61,6 +58,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from pallas_kernels.fp8_gemm import BK, _check_operands
@@ -96,8 +94,6 @@ def _compiler() -> str:
 def build(out_dir: Path | None = None) -> Path:
     """Compile the FFI handler (once: the library is named by a hash of the source, jaxlib's version
     and the compiler) and return the shared library's path."""
-    import jaxlib
-
     cxx = _compiler()
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + jaxlib.__version__.encode() + cxx.encode()).hexdigest()[:16]

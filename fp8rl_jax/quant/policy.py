@@ -22,8 +22,8 @@ every Qwen3 projection) and ``pallas_kernels.fp8_gemm`` (Triton lowering, masked
 or cuBLASLt's block-scaled FP8 GEMM (``fp8rl_jax.quant.cublaslt``) with ``gemm=GemmBackend.CUBLASLT`` or
 ``FP8RL_FP8_GEMM=cublaslt``), or the Triton kernel with split-K at decode sizes with ``GemmBackend.TRITON``
 (`triton_config`); elsewhere the jnp reference. (On XLA:GPU the reference's ``amax / 448`` compiles to a multiply by the
-reciprocal, one ulp low on about half the scales as measured on the H200; the kernel divides
-exactly, one more reason GPU quantization goes through it.)
+reciprocal, one ulp low on about half the scales; the kernel divides exactly, one more reason GPU quantization goes
+through it.)
 The reference GEMM dequantizes both operands and multiplies in float32 (HIGHEST): the same
 math as the kernel's per-K-block promotion, summed in another order, without the kernel
 reference's [K/128, M, N] intermediate. MoE experts run ``pallas_kernels.fp8_grouped_gemm``
@@ -128,7 +128,8 @@ def quantize_weight(w: jax.Array, block_size: tuple[int, int] = (128, 128), kern
                     ) -> QuantizedWeight:
     """E4M3 block quantization of one weight [N, K] or [E, N, K] through the chosen kernels."""
     if kernels.pallas() and tuple(block_size) == _KERNEL_BLOCK and jnp.dtype(w.dtype) in (jnp.bfloat16, jnp.float32):
-        return quant_kernel.quantize_weight(w, interpret=jax.default_backend() != "gpu")
+        q, scale_inv = quant_kernel.quantize_weight(w, interpret=jax.default_backend() != "gpu")
+        return QuantizedWeight(q, scale_inv, _KERNEL_BLOCK)
     return quantize_weight_blockwise(w, block_size)
 
 
@@ -156,7 +157,8 @@ def quantize_weight_concat(parts: list, block_size: tuple[int, int] = (128, 128)
     fused buffer). The result equals quantizing the parts and concatenating."""
     if (parts[0].ndim == 2 and kernels.pallas() and tuple(block_size) == _KERNEL_BLOCK
             and all(jnp.dtype(p.dtype) in (jnp.bfloat16, jnp.float32) for p in parts)):
-        return quant_kernel.quantize_weight_concat(parts, interpret=jax.default_backend() != "gpu")
+        q, scale_inv = quant_kernel.quantize_weight_concat(parts, interpret=jax.default_backend() != "gpu")
+        return QuantizedWeight(q, scale_inv, _KERNEL_BLOCK)
     qs = [quantize_weight(p, block_size, kernels) for p in parts]
     return QuantizedWeight(jnp.concatenate([q.q for q in qs], axis=-2),
                            jnp.concatenate([q.scale_inv for q in qs], axis=-2), tuple(block_size))
@@ -236,14 +238,13 @@ class GemmBackend(enum.Enum):
     MOSAIC = "mosaic"  # pallas_kernels.fp8_gemm_mgpu where the shape allows, the Triton fp8_gemm elsewhere
     CUBLASLT = "cublaslt"  # fp8rl_jax.quant.cublaslt (cuBLAS's block-scaled FP8) where the shape allows
     TRITON = "triton"  # pallas_kernels.fp8_gemm with `triton_config`: split-K at decode-sized M. AUTO runs the shapes
-    # its measured table (`TRITON_GEMM_TABLE`) has it winning: on the H200 (session 28) Qwen3-8B's o_proj, fused
-    # q/k/v and fused gate/up at up to 64 rows (8-22% less GPU time than cuBLASLt); cuBLASLt kept the rest
+    # its measured table (`TRITON_GEMM_TABLE`) has it winning
 
     def resolve(self, m: int | None = None, n: int | None = None, k: int | None = None) -> GemmBackend:
         """The backend for an ``[M, K] x [N, K]^T`` GEMM: this one unless AUTO; for AUTO the
         ``FP8RL_FP8_GEMM`` variable, else TRITON where its measured table (`TRITON_GEMM_TABLE`) found it faster
         than cuBLASLt on this device kind at this (M bucket, N, K), else the faster of Mosaic and cuBLASLt as
-        measured there (`GEMM_BACKEND_TABLE`, written by ``experiments/bench_gemm.py --backend-table-out``),
+        measured there (`GEMM_BACKEND_TABLE`, written by ``python -m experiments.bench gemm --backend-table-out``),
         else the table's default for the device kind (chosen from end-to-end rollouts, with the measurement
         named in the table), else MOSAIC."""
         if self is not GemmBackend.AUTO:
@@ -274,7 +275,7 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-# Measured per device kind (``experiments/bench_decode_gemms.py --triton --triton-table-out``): per (M bucket, N, K)
+# Measured per device kind (``python -m experiments.bench decode_gemms --triton --triton-table-out``): per (M bucket, N, K)
 # the fastest Triton config of `pallas_kernels.fp8_gemm.DECODE_CONFIGS`, its GPU time and cuBLASLt's, and the backend
 # that won ("triton" where it beat cuBLASLt by the bench's margin: `GemmBackend.AUTO` then runs the shape on it).
 TRITON_GEMM_TABLE = Path(__file__).with_name("fp8_gemm_triton.json")
@@ -292,18 +293,17 @@ def triton_config(m: int, n: int | None = None, k: int | None = None) -> gemm_ke
     (`TRITON_GEMM_TABLE`) for this device kind and (M bucket, N, K) where it has one, else one of
     `pallas_kernels.fp8_gemm.DECODE_CONFIGS` by M up to 256 rows, else its default tiling. Up to 64 rows: 64 x 64
     with the weight's rows on the wgmma's M side, scales prefetched, K split in 2 (the pattern of every 64-row win
-    over cuBLASLt, H200 session 28); up to 256: 64-wide N tiles, M in one or two tiles, K split so the programs
-    fill the SMs (Qwen3-8B's o_proj at 128 rows runs 64 x 4 programs; session 27's fastest, none faster than
-    cuBLASLt)."""
+    over cuBLASLt); up to 256: 64-wide N tiles, M in one or two tiles, K split so the programs fill the SMs
+    (Qwen3-8B's o_proj at 128 rows runs 64 x 4 programs)."""
     if n is not None and k is not None:
         tuned = _measured_triton(device_kind()).get((m_bucket(m), n, k))
         if tuned is not None:
             return tuned[0]
-    if m <= 64:  # the winner's pattern at 64 rows (H200 session 28): weight rows on the wgmma's M side
+    if m <= 64:  # the winner's pattern at 64 rows: weight rows on the wgmma's M side
         return gemm_kernel.GemmConfig(64, 64, 4, 4, k_splits=2, swap_ab=True, prefetch_scales=True)
     if m <= 128:
         return gemm_kernel.GemmConfig(128, 64, 4, 4, k_splits=4)
-    if m <= 256:  # the fastest at 256 rows on 3 of the 4 Qwen3-8B shapes (H200 session 27)
+    if m <= 256:  # the fastest at 256 rows on 3 of the 4 Qwen3-8B shapes
         return gemm_kernel.GemmConfig(128, 64, 4, 4, k_splits=2)
     return gemm_kernel.DEFAULT_CONFIG
 
@@ -322,7 +322,7 @@ def use_cublaslt(gemm: GemmBackend, m: int, n: int, k: int, out_dtype: Any) -> b
     return cublaslt.supports(n, k, out_dtype)
 
 
-# Measured per device kind (``experiments/bench_gemm.py --backend-table-out``): the faster dense FP8 GEMM
+# Measured per device kind (``python -m experiments.bench gemm --backend-table-out``): the faster dense FP8 GEMM
 # (Mosaic kernel or cuBLASLt) per (M bucket, N, K); `GemmBackend.AUTO` follows it.
 GEMM_BACKEND_TABLE = Path(__file__).with_name("fp8_gemm_backends.json")
 
@@ -343,7 +343,7 @@ def backend_defaults(path: Path | None = None) -> list[dict]:
     return list(json.loads(path.read_text()).get("defaults", []))
 
 
-# Measured per device kind (``experiments/tune_cublaslt_algos.py``): per (M bucket, N, K) the cuBLASLt algorithm
+# Measured per device kind (``python -m experiments.bench cublaslt_tune``): per (M bucket, N, K) the cuBLASLt algorithm
 # (index in its heuristic list, K splits pinned or 0) that ran the block-scaled GEMM fastest (`cublaslt.list_algos`).
 CUBLASLT_ALGO_TABLE = Path(__file__).with_name("cublaslt_algos.json")
 
@@ -351,7 +351,7 @@ CUBLASLT_ALGO_TABLE = Path(__file__).with_name("cublaslt_algos.json")
 @functools.cache
 def _measured_cublaslt_algos(kind: str) -> dict[tuple[int, int, int], tuple[int, int]]:
     return {(int(e["m_bucket"]), int(e["n"]), int(e["k"])): (int(e["algo"]), int(e["split_k"]))
-            for e in tuning_entries(CUBLASLT_ALGO_TABLE, kind)}
+            for e in tuning_entries(CUBLASLT_ALGO_TABLE, kind, required=False)}
 
 
 def cublaslt_algo(m: int, n: int, k: int) -> tuple[int, int]:
@@ -452,7 +452,7 @@ class W8A8Policy(MatmulPolicy):
         if scales_t:
             return cublaslt.fp8_gemm_cublaslt_t(xq, xs, q, s, out_dtype=out_dtype,
                                                 algo=cublaslt_algo(xq.shape[0], *q.shape))
-        if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on the H200
+        if mgpu_kernel.supports(m, n, k):  # TMA + wgmma: 2-3x the Triton kernel on Hopper
             return mgpu_kernel.fp8_gemm_mgpu(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)
         return gemm_kernel.fp8_gemm(xq, xs, q, s, out_dtype=out_dtype, interpret=interpret)  # any N, K
 

@@ -1,5 +1,6 @@
 """The "advantages" and "update" stages of the RL loop: pure maths in :mod:`fp8rl_jax.rl.algos`,
-the jitted train step in :mod:`fp8rl_jax.rl.trainer`, Orbax checkpoints in :mod:`fp8rl_jax.rl.checkpointing`."""
+the jitted train step in :mod:`fp8rl_jax.rl.trainer` (on a device mesh: :mod:`fp8rl_jax.rl.sharded`),
+Orbax checkpoints in :mod:`fp8rl_jax.rl.checkpointing`."""
 
 from fp8rl_jax.rl.algos import (
     AdvantageEstimator,
@@ -27,6 +28,12 @@ from fp8rl_jax.rl.checkpointing import (
     Checkpointer,
     CheckpointError,
     latest_step,
+)
+from fp8rl_jax.rl.sharded import (
+    ShardedTrainStep,
+    make_sharded_train_step,
+    shard_train_state,
+    train_state_specs,
 )
 from fp8rl_jax.rl.trainer import (
     ComputeDtype,
@@ -68,6 +75,7 @@ __all__ = [
     "OptimizerConfig",
     "PolicyValueParams",
     "Schedule",
+    "ShardedTrainStep",
     "TrainBatch",
     "TrainState",
     "TrainerConfig",
@@ -88,6 +96,7 @@ __all__ = [
     "make_logprob_fn",
     "make_logprob_value_fn",
     "make_optimizer",
+    "make_sharded_train_step",
     "make_train_step",
     "masked_mean",
     "masked_whiten",
@@ -96,8 +105,10 @@ __all__ = [
     "outcome_to_token_rewards",
     "policy_loss",
     "rollout_correction_weights",
+    "shard_train_state",
     "token_logprobs",
     "token_logprobs_and_values",
+    "train_state_specs",
     "train_step",
     "trainer_logprobs",
     "trainer_logprobs_and_values",

@@ -3,7 +3,8 @@
 ``RLConfig`` holds everything a run needs, by section:
 
     model      ModelConfig (architecture; presets in ``configs/models.py``)
-    rollout    RolloutConfig: samples per prompt, sampling, engine sizing
+    rollout    RolloutConfig: samples per prompt, sampling, backend; ``rollout.engine`` is the JAX
+               engine's whole ``EngineConfig`` (sizing, buckets, swap space, routing recording...)
     algorithm  AlgorithmConfig: advantage estimator (GRPO, Dr.GRPO, PPO's GAE with a value head,
                gamma, lambda) + the loss (``LossConfig``: clipping, aggregation, KL, entropy,
                value loss, rollout correction)
@@ -13,17 +14,26 @@
     data       DataConfig: prompts per step, steps, evaluation cadence, seeds
     logging    LoggingConfig: output folder, JSONL / TensorBoard / plot, progress bars
 
-Presets are module constants in ``configs/``; variants come from ``dataclasses.replace`` or
-from ``override(cfg, ["rollout.temperature=0.7", "precision.rollout=all"])``, which parses each
-value by the field's declared type (int, float, bool, str, enums by value or name, tuples,
-``None`` for optional fields) and re-runs every section's validation, so a bad value fails at
-start with the field's name. ``sweep(cfg, {"precision.rollout": ["none", "all"]})`` yields the
-cross product for notebooks.
+Presets are module constants in ``configs/``; variants come from ``dataclasses.replace`` or from
+``override(cfg, ["rollout.temperature=0.7", "rollout.engine.swap_space_gib=4"])``, which parses
+each value by the field's declared type (int, float, bool, str, enums by value or name, tuples as
+``1,2``, ``None`` for optional fields) and re-runs every section's validation, so a bad value or
+an unknown key fails at start, naming the key (and, for an unknown one, the valid keys nearest
+to it). An experiment's config that holds an ``RLConfig`` takes the same keys (its own fields go
+by their names). ``sweep(cfg, {"precision.rollout": ["none", "all"]})`` yields the cross product
+for notebooks; ``config_keys(cfg)`` lists every key.
+
+Where an RL-level value and an engine field must agree, the RL level sets it
+(``ENGINE_FIELDS_FROM_RL``: the rollout precision, the KV calibration side and the compute dtype,
+which the vLLM backend and the trainer use too) and ``RLConfig`` validates the rest
+(``max_new_tokens`` below ``engine.max_seq_len``, which the model's positions bound; routing
+recording only for MoE models on the JAX engine).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import itertools
 import types
@@ -34,10 +44,12 @@ from typing import Any
 
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy
+from fp8rl_jax.models.qwen3 import moe_layers
+from fp8rl_jax.quant.training import Fp8TrainPolicy
 from fp8rl_jax.rl.algos import AdvantageEstimator
 from fp8rl_jax.rl.trainer import ComputeDtype, LossConfig, OptimizerConfig, TrainerConfig
 from fp8rl_jax.rollout.config import EngineConfig, KvCalibration
-from fp8rl_jax.rollout.sampling import Draw, SamplingConfig
+from fp8rl_jax.rollout.sampling import SamplingConfig
 
 
 class ConfigError(ValueError):
@@ -51,61 +63,75 @@ class RolloutBackend(enum.Enum):
     VLLM = "vllm"  # vLLM 0.26 in this process (the fp8rl_jax[vllm] extra; one GPU)
 
 
+# The rollout section's default engine: EngineConfig's defaults but for a wider decode batch and
+# prefill call (an RL step generates prompts_per_step x n_samples sequences at once).
+DEFAULT_ENGINE = EngineConfig(max_slots=64, prefill_batch=16)
+
+# Engine fields the RL level sets (they apply to either backend, or must match the trainer):
+# engine field -> (the RL field to set instead, its value as the engine takes it).
+ENGINE_FIELDS_FROM_RL: dict[str, tuple[str, Any]] = {
+    "precision": ("precision.rollout", lambda c: c.precision.rollout),
+    "kv_calibration": ("precision.kv_calibration", lambda c: c.precision.kv_calibration),
+    "dtype": ("trainer.compute_dtype", lambda c: c.trainer.compute_dtype.value),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """Generation settings: ``n_samples`` responses per prompt (a GRPO group), sampled at
-    ``temperature`` / ``top_p`` / ``top_k`` up to ``max_new_tokens``, on a JAX engine with
-    ``max_slots`` decode slots, ``page_size``-token KV pages and a KV budget of ``kv_budget_gib``
-    (``backend=jax``), or on vLLM with ``vllm_memory`` of the GPU beside JAX's ``jax_memory``
-    (``backend=vllm``; the engine sizing fields do not apply to it)."""
+    ``temperature`` / ``top_p`` / ``top_k`` up to ``max_new_tokens``, by the JAX engine configured
+    by ``engine`` (``backend=jax``; every ``EngineConfig`` field: sizing, buckets, swap space,
+    routing recording, GEMM choices) or by vLLM with ``vllm_memory`` of the GPU beside JAX's
+    ``jax_memory`` (``backend=vllm``, which takes only ``engine.max_seq_len`` as its
+    ``max_model_len``).
+
+    ``engine.precision``, ``engine.kv_calibration`` and ``engine.dtype`` are set by the RL level
+    (``precision.rollout``, ``precision.kv_calibration``, ``trainer.compute_dtype``: both backends
+    and the trainer use them): leave them at their defaults here (or repeat the RL values);
+    ``RLConfig.engine_config()`` returns the engine's config with them filled in."""
 
     n_samples: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 1024
-    max_seq_len: int = 4096
-    max_slots: int = 64
-    page_size: int = 16
-    kv_budget_gib: float = 1.0
-    kv_budget_fraction: float = 0.0  # > 0: this fraction of the device memory left after the weights (GPU)
-    steps_per_call: int = 8
-    prefill_batch: int = 16
-    stall_timeout_s: float = 0.0  # > 0: exit (code 3) when generation stops progressing this long
-    sampling_draw: Draw = Draw.INVERSE_CDF  # the JAX engine's draw (EngineConfig.sampling_draw): gumbel | inverse_cdf
-    # free the engine's KV pool and weight copy after each rollout, for the trainer's step
-    # (JaxEngine.sleep(weights=True)); the weight sync hands new weights over and the next rollout
+    # free the generator's KV pool and weight copy after each rollout, for the trainer's step
+    # (Generator.sleep(weights=True)); the weight sync hands new weights over and the next rollout
     # allocates the pool again (same shape: no recompile)
     sleep_while_training: bool = False
     backend: RolloutBackend = RolloutBackend.JAX
+    engine: EngineConfig = DEFAULT_ENGINE
     vllm_memory: float = 0.45  # backend vllm: vLLM's gpu_memory_utilization (weights, activations, KV)
     jax_memory: float = 0.45  # backend vllm: XLA_PYTHON_CLIENT_MEM_FRACTION (the trainer), set at start
     vllm_enforce_eager: bool = False  # backend vllm: no CUDA graphs (faster start, slower decode)
 
     def __post_init__(self) -> None:
-        for name in ("n_samples", "max_new_tokens", "max_seq_len", "max_slots", "page_size", "steps_per_call",
-                     "prefill_batch"):
+        for name in ("n_samples", "max_new_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if self.kv_budget_gib <= 0:
-            raise ConfigError(f"rollout.kv_budget_gib must be > 0, got {self.kv_budget_gib}")
-        if not 0 <= self.kv_budget_fraction <= 1:
-            raise ConfigError(f"rollout.kv_budget_fraction must be in [0, 1], got {self.kv_budget_fraction}")
-        if not self.stall_timeout_s >= 0:
-            raise ConfigError(f"rollout.stall_timeout_s must be >= 0 (0: off), got {self.stall_timeout_s}")
+        if not isinstance(self.engine, EngineConfig):
+            raise ConfigError(f"rollout.engine must be an EngineConfig, got {type(self.engine).__name__}")
+        if self.max_new_tokens >= self.engine.max_seq_len:
+            raise ConfigError(f"rollout.max_new_tokens = {self.max_new_tokens} leaves no room for a prompt under "
+                              f"rollout.engine.max_seq_len = {self.engine.max_seq_len}: raise "
+                              "rollout.engine.max_seq_len or lower rollout.max_new_tokens")
         if not (0 < self.vllm_memory < 1 and 0 < self.jax_memory < 1):
             raise ConfigError(f"rollout.vllm_memory and rollout.jax_memory must be in (0, 1), got {self.vllm_memory}, "
                               f"{self.jax_memory}")
         if self.backend is RolloutBackend.VLLM and self.vllm_memory + self.jax_memory > 0.95:
             raise ConfigError(f"rollout.vllm_memory + rollout.jax_memory = {self.vllm_memory + self.jax_memory:.2f} "
                               "leaves less than 5% of the GPU for CUDA contexts and workspaces: lower one of them")
+        if self.backend is RolloutBackend.VLLM and self.engine.record_routing:
+            raise ConfigError("rollout.engine.record_routing (MoE routing replay) needs rollout.backend=jax: the vLLM "
+                              "backend does not record the experts it routes to (set "
+                              "rollout.engine.record_routing=false to run without replay)")
         try:
             self.sampling(0)
         except ValueError as e:
             raise ConfigError(f"rollout: {e}") from None
 
-
     def sampling(self, seed: int, stop_token_ids: Sequence[int] = ()) -> SamplingConfig:
+        """The ``SamplingConfig`` of one rollout sample with sampling seed ``seed``."""
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_tokens=self.max_new_tokens, stop_token_ids=tuple(stop_token_ids), seed=seed)
 
@@ -220,15 +246,26 @@ class RLConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.rollout.max_seq_len > self.model.max_position_embeddings:
-            raise ConfigError(f"rollout.max_seq_len = {self.rollout.max_seq_len} exceeds the model's "
+        engine = self.rollout.engine
+        if engine.max_seq_len > self.model.max_position_embeddings:
+            raise ConfigError(f"rollout.engine.max_seq_len = {engine.max_seq_len} exceeds the model's "
                               f"max_position_embeddings = {self.model.max_position_embeddings}")
+        if engine.record_routing and not moe_layers(self.model):
+            raise ConfigError("rollout.engine.record_routing (MoE routing replay) needs an MoE model; this model has "
+                              "no MoE layer (model.num_experts = 0): set rollout.engine.record_routing=false")
+        default = EngineConfig()
+        for name, (rl_field, value) in ENGINE_FIELDS_FROM_RL.items():
+            got, want = getattr(engine, name), value(self)
+            if got != want and got != getattr(default, name):
+                raise ConfigError(f"rollout.engine.{name} = {_show(got)} disagrees with {rl_field} = {_show(want)}, "
+                                  f"which sets it: set {rl_field} instead")
         batch = self.data.prompts_per_step * self.rollout.n_samples
         if batch % self.trainer.micro_batches:
             raise ConfigError(f"trainer.micro_batches = {self.trainer.micro_batches} must divide the batch "
                               f"data.prompts_per_step x rollout.n_samples = {batch}")
 
     def trainer_config(self) -> TrainerConfig:
+        """The trainer's static configuration (loss, optimizer, micro-batches, dtype, remat)."""
         return TrainerConfig(loss=self.algorithm.loss, optimizer=self.optimizer,
                              micro_batches=self.trainer.micro_batches, compute_dtype=self.trainer.compute_dtype,
                              remat=self.trainer.remat, logits_chunk=self.trainer.logits_chunk)
@@ -238,19 +275,14 @@ class RLConfig:
         (``fp8rl_jax.quant.training.Fp8TrainPolicy``), else dense in the compute dtype."""
         dtype = self.trainer.compute_dtype.value
         if self.precision.train_fp8:
-            from fp8rl_jax.quant.training import Fp8TrainPolicy
-
             return Fp8TrainPolicy.for_model(self.model, dtype)
         return DensePolicy(dtype)
 
     def engine_config(self) -> EngineConfig:
-        r = self.rollout
-        return EngineConfig(max_slots=r.max_slots, page_size=r.page_size, kv_budget_gib=r.kv_budget_gib,
-                            kv_budget_fraction=r.kv_budget_fraction,
-                            max_seq_len=r.max_seq_len, steps_per_call=r.steps_per_call,
-                            prefill_batch=r.prefill_batch, precision=self.precision.rollout,
-                            dtype=self.trainer.compute_dtype.value, kv_calibration=self.precision.kv_calibration,
-                            stall_timeout_s=r.stall_timeout_s, sampling_draw=r.sampling_draw)
+        """The JAX engine's config: ``rollout.engine`` with the fields the RL level sets
+        (``ENGINE_FIELDS_FROM_RL``: rollout precision, KV calibration side, compute dtype) filled in."""
+        return dataclasses.replace(self.rollout.engine,
+                                   **{name: value(self) for name, (_, value) in ENGINE_FIELDS_FROM_RL.items()})
 
     @property
     def out_dir(self) -> Path:
@@ -260,8 +292,8 @@ class RLConfig:
 # ------------------------------------------------------------------------------------ overrides
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _show(value: Any) -> str:
+    return str(value.value) if isinstance(value, enum.Enum) else repr(value)
 
 
 def _parse(text: str, tp: Any, where: str) -> Any:
@@ -281,8 +313,10 @@ def _parse(text: str, tp: Any, where: str) -> Any:
         raise ConfigError("; ".join(errors))
     if origin is tuple:
         items = [t for t in (s.strip() for s in text.strip("()[]").split(",")) if t]
-        inner = args[0] if args else str
-        return tuple(_parse(t, inner, where) for t in items)
+        if args and args[-1] is not Ellipsis and len(items) != len(args):
+            raise ConfigError(f"{where}: {text!r} is not a tuple of {len(args)} values (e.g. 1,2)")
+        inner = list(args[:-1] if args and args[-1] is Ellipsis else args) or [str]
+        return tuple(_parse(t, inner[min(i, len(inner) - 1)], where) for i, t in enumerate(items))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         for m in tp:
             if text in (m.value, m.name) or text.lower() in (str(m.value).lower(), m.name.lower()):
@@ -302,17 +336,80 @@ def _parse(text: str, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: fields of type {tp} cannot be set from the command line")
 
 
+def config_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Every settable dotted key of a config tree (leaf fields; nested dataclasses are descended)."""
+    keys = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            keys += config_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _rl_field(cfg: Any) -> str | None:
+    """The field of an experiment's config that holds its ``RLConfig`` (None for an RLConfig itself)."""
+    if isinstance(cfg, RLConfig):
+        return None
+    return next((f.name for f in dataclasses.fields(cfg) if isinstance(getattr(cfg, f.name), RLConfig)), None)
+
+
+def _path(cfg: Any, key: str, where: str) -> list[str]:
+    """``key`` as a field path into ``cfg``. Keys are the same everywhere: an RL key
+    (``rollout.n_samples``) sets the RL config also inside an experiment's config, whose own fields
+    go by their names (``sft_steps``); the full path (``rl.rollout.n_samples``) works too."""
+    path = key.strip().split(".")
+    rl = _rl_field(cfg)
+    own = {f.name for f in dataclasses.fields(cfg)}
+    if rl is not None and path[0] not in own and path[0] in {f.name for f in dataclasses.fields(RLConfig)}:
+        path = [rl, *path]
+    rl_path = path[1:] if rl is not None and path[0] == rl else path
+    if rl is not None or isinstance(cfg, RLConfig):
+        if len(rl_path) == 3 and rl_path[:2] == ["rollout", "engine"] and rl_path[2] in ENGINE_FIELDS_FROM_RL:
+            raise ConfigError(f"{where}: the engine's {rl_path[2]} is set by "
+                              f"{ENGINE_FIELDS_FROM_RL[rl_path[2]][0]}: set that instead")
+    return path
+
+
+def _unknown(cfg: Any, key: str, where: str) -> ConfigError:
+    """The error for a key that names no field, with the valid keys nearest to it."""
+    rl = _rl_field(cfg)
+    keys = config_keys(cfg)
+    if rl is not None:  # RL keys go without the prefix
+        keys = [k[len(rl) + 1:] if k.startswith(f"{rl}.") else k for k in keys]
+    keys = [k for k in keys if not (k.startswith("rollout.engine.") and k[15:] in ENGINE_FIELDS_FROM_RL)]  # RL-set
+    key = key.strip()
+    if rl is not None and key.startswith(f"{rl}."):
+        key = key[len(rl) + 1:]
+    leaf = key.rsplit(".", 1)[-1]
+    near = [k for k in keys if k.rsplit(".", 1)[-1] == leaf] or difflib.get_close_matches(key, keys, n=3, cutoff=0.8)
+    parent = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    siblings = sorted({k[len(parent):].split(".", 1)[0] for k in keys if k.startswith(parent)})
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
+    where_ = f"{parent[:-1]} has" if parent and siblings else "valid keys start with"
+    if not siblings:
+        siblings = sorted({k.split(".", 1)[0] for k in keys})
+    return ConfigError(f"{where}: unknown key {key!r}; {hint}{where_} {', '.join(siblings)}")
+
+
+class _UnknownField(Exception):
+    pass
+
+
 def _set(obj: Any, path: Sequence[str], value: Any, where: str) -> Any:
     """``obj`` with the field at ``path`` replaced; a ``str`` value for a field of another type is
     parsed by the field's declared type (the command-line form); validation errors name ``where``."""
     if not dataclasses.is_dataclass(obj):
-        raise ConfigError(f"{where}: {type(obj).__name__} has no fields")
+        raise _UnknownField
     name = path[0]
-    types_ = _field_types(type(obj))
-    if name not in types_:
-        raise ConfigError(f"{where}: unknown field {name!r}; {type(obj).__name__} has {sorted(types_)}")
+    types_ = typing.get_type_hints(type(obj))
+    if name not in types_ or name not in {f.name for f in dataclasses.fields(obj)}:
+        raise _UnknownField
     if len(path) > 1:
         value = _set(getattr(obj, name), path[1:], value, where)
+    elif dataclasses.is_dataclass(getattr(obj, name)) and isinstance(value, str):
+        raise ConfigError(f"{where}: is a section; set one of its fields ({where.split()[-1]}.FIELD=VALUE)")
     elif isinstance(value, str) and types_[name] is not str:
         value = _parse(value, types_[name], where)
     try:
@@ -323,24 +420,51 @@ def _set(obj: Any, path: Sequence[str], value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def override(cfg: RLConfig, assignments: Iterable[str]) -> RLConfig:
-    """Applies ``section.field=value`` assignments (nested fields with more dots) in order."""
+def set_field(cfg: Any, key: str, value: Any, where: str | None = None) -> Any:
+    """``cfg`` with the field at dotted ``key`` set to ``value`` (a string is parsed by the field's
+    type); every section on the way is validated again. Raises ``ConfigError`` naming the key."""
+    where = where or f"--set {key.strip()}"
+    try:
+        return _set(cfg, _path(cfg, key, where), value, where)
+    except _UnknownField:
+        raise _unknown(cfg, key, where) from None
+
+
+def override(cfg: Any, assignments: Iterable[str]) -> Any:
+    """Applies ``key=value`` assignments (``rollout.temperature=0.7``,
+    ``rollout.engine.swap_space_gib=4``; see ``_path`` for experiment configs); the last one of a
+    key wins. Their order does not matter otherwise: one that fails a check across fields (e.g.
+    ``rollout.backend=vllm`` before ``rollout.engine.record_routing=false``) is retried after the
+    others, and the first error raised when no assignment goes through."""
+    last: dict[str, str] = {}
     for a in assignments:
         if "=" not in a:
             raise ConfigError(f"override {a!r} is not of the form section.field=value")
         key, text = a.split("=", 1)
-        cfg = _set(cfg, key.strip().split("."), text.strip(), f"--set {key.strip()}")
+        last.pop(key.strip(), None)
+        last[key.strip()] = text.strip()
+    pending = list(last.items())
+    while pending:
+        failed = []
+        for key, text in pending:
+            try:
+                cfg = set_field(cfg, key, text)
+            except ConfigError as e:
+                failed.append((key, text, e))
+        if len(failed) == len(pending):
+            raise failed[0][2]
+        pending = [(key, text) for key, text, _ in failed]
     return cfg
 
 
-def sweep(cfg: RLConfig, grid: Mapping[str, Sequence[Any]]) -> Iterator[RLConfig]:
+def sweep(cfg: Any, grid: Mapping[str, Sequence[Any]]) -> Iterator[Any]:
     """Every combination of ``grid`` (``{"section.field": [values...]}``) applied to ``cfg``;
     values may be strings (parsed like overrides) or already typed."""
     keys = list(grid)
     for combo in itertools.product(*(grid[k] for k in keys)):
         c = cfg
         for k, v in zip(keys, combo):
-            c = _set(c, k.split("."), v, f"sweep {k}")
+            c = set_field(c, k, v, f"sweep {k}")
         yield c
 
 

@@ -40,9 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 from fp8rl_jax.models import ModelConfig
-from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit
+from fp8rl_jax.models.calibration import calibrate_kv_scales_jit
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy
 from fp8rl_jax.rl.algos import (
     AdvantageEstimator,
@@ -60,7 +61,7 @@ from fp8rl_jax.rl.trainer import (
     token_logprobs,
 )
 from fp8rl_jax.rollout.base import FinishReason, Generator, RolloutBatch
-from fp8rl_jax.rollout.engine import KvCalibration
+from fp8rl_jax.rollout.config import KvCalibration
 
 __all__ = [
     "MetricsLogger",
@@ -245,7 +246,7 @@ def sync_weights(generator: Generator, params: Any, *, model_config: ModelConfig
         k, v = _calibrate(cast, jnp.asarray(calibration_tokens), jnp.asarray(calibration_lengths),
                           config=model_config, policy=DensePolicy(jnp.dtype(dtype).name))
         generator.set_kv_scales(k, v)
-    jax.block_until_ready(getattr(generator, "params", None))
+    jax.block_until_ready(generator.params)
     return time.perf_counter() - t0
 
 
@@ -410,7 +411,7 @@ def rl_step(step: int, state: TrainState, *, cfg, task: Task, engine: Generator,
     prompt_ids = [task.encode(e.prompt) for e in examples]
     ro = rollout(engine, prompt_ids, n_samples=cfg.rollout.n_samples, sampling=cfg.rollout.sampling,
                  step=step, seed=cfg.seed)
-    if cfg.rollout.sleep_while_training and hasattr(engine, "sleep"):
+    if cfg.rollout.sleep_while_training:
         # the KV pool's memory and the generator's weight copy go to the trainer; sync_weights below
         # hands the new weights over and the next generate allocates the pool again
         engine.sleep(weights=True)
@@ -441,8 +442,6 @@ def run(cfg, *, state: TrainState, task: Task, engine: Generator, train_step: Ca
         checkpointer: Any = None, eval_sampling: Callable[[int], Any] | None = None) -> TrainState:
     """``cfg.data.steps`` RL steps from ``start_step`` (evaluation every ``data.eval_every`` steps and
     at the end; checkpoints every ``logging.checkpoint_every``), metrics to ``logger``."""
-    from tqdm.auto import tqdm
-
     def do_eval(step: int) -> None:
         if not task.eval_examples:
             return

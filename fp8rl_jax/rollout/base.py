@@ -1,9 +1,10 @@
 """The narrow generator interface the RL loop uses, and the rollout batch it returns.
 
 Every generator (the built-in JAX engine, the vLLM backend) implements ``Generator``:
-``generate(prompts, sampling) -> RolloutBatch`` and ``update_weights(params)``. Prompts are
-token-id lists; the batch holds only the generated tokens, with per-token logprobs under the
-convention of ``fp8rl_jax.rollout.sampling`` (log-softmax of logits / T before truncation).
+``generate(prompts, sampling) -> RolloutBatch``, ``update_weights(params)``,
+``set_kv_scales(k, v)``, ``sleep(weights)`` / ``wake()`` and ``params``. Prompts are token-id
+lists; the batch holds only the generated tokens, with per-token logprobs under the convention
+of ``fp8rl_jax.rollout.sampling`` (log-softmax of logits / T before truncation).
 """
 
 from __future__ import annotations
@@ -61,10 +62,45 @@ class RolloutBatch:
 
 
 class Generator(Protocol):
-    """What the RL loop needs from a rollout backend."""
+    """What the RL loop needs from a rollout backend, and all it uses (``GENERATOR_MEMBERS``).
+
+    Implemented by ``fp8rl_jax.rollout.engine.JaxEngine`` and
+    ``fp8rl_jax.rollout.vllm_backend.VLLMGenerator``. One RL step calls ``generate``, then
+    ``sleep(weights=True)`` (with ``rollout.sleep_while_training``) while the trainer runs, then
+    ``update_weights`` with the trainer's new params, ``set_kv_scales`` with trainer-side FP8 KV
+    calibration, and waits on ``params`` to time the sync.
+    """
+
+    @property
+    def params(self) -> Any:
+        """The weights the generator holds now, as JAX arrays in its own layout (re-quantized,
+        fused), or None when it holds none as JAX arrays (after ``sleep(weights=True)``, or a
+        backend that keeps them elsewhere and whose ``update_weights`` returns only once they are in
+        place). ``jax.block_until_ready(params)`` waits for the device work of ``update_weights``."""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Any) -> RolloutBatch:
-        """Generates for every prompt; ``sampling`` is one SamplingConfig or one per prompt."""
+        """Generates one response per prompt (token ids in, token ids and logprobs out); ``sampling``
+        is one ``SamplingConfig`` for all prompts or one per prompt. Wakes a sleeping generator."""
 
     def update_weights(self, params: Any) -> None:
-        """Takes the trainer's new parameters (re-quantized as the generator's precision needs)."""
+        """Takes the trainer's new parameters (the model's params in the compute dtype), converted
+        as the generator's precision needs (FP8 re-quantization, fused layout). FP8 KV scales then
+        become stale: the next ``generate`` measures new ones (inference-side calibration) or
+        ``set_kv_scales`` must come first (trainer-side)."""
+
+    def set_kv_scales(self, k_scale: Any, v_scale: Any) -> None:
+        """Sets the FP8 KV cache's per-layer dequantization scales (``[L]`` float32 each, from
+        ``fp8rl_jax.models`` ``calibrate_kv_scales``), marking them fresh."""
+
+    def sleep(self, weights: bool = False) -> None:
+        """Frees the generator's device memory (its KV cache; with ``weights``, its weight copy too)
+        while a colocated trainer runs. The cache comes back on ``wake`` or on the next call that
+        needs it; after ``sleep(weights=True)`` call ``update_weights`` before the next ``generate``
+        (a backend may keep the weights elsewhere meanwhile, as vLLM's level-1 sleep does on the
+        host). Idempotent."""
+
+    def wake(self) -> None:
+        """Allocates what ``sleep`` freed again, ahead of the next ``generate`` (a no-op when awake)."""
+
+
+GENERATOR_MEMBERS = ("generate", "update_weights", "set_kv_scales", "sleep", "wake", "params")

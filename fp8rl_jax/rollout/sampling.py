@@ -39,11 +39,8 @@ Sampling
     ``[B, V / 128]``, then the prefix sums inside the one chosen chunk (its 128 logits
     gathered again). A pick only ever lands on a token of positive mass (float32
     rounding of the prefix sums at ``u`` near 1 falls back to the last such token).
-    At 256 x 151936 the Gumbel draw's random numbers were ~0.29 ms of an H200 decode
-    step (session 17's profile: the draw's fusion alone 287 us, compute bound); this
-    one draws 256. H200, Qwen3-8B kv decode at 256 rows, one machine (session 19):
-    16.30 ms per step against Gumbel's 16.52 (the profile's reductions 0.36 -> 0.16 ms);
-    on a 2-core CPU, 256 x 151936 bf16 logits: 254 ms against Gumbel's 1073.
+    It draws one random number per row where Gumbel draws ``V``, which made it the
+    faster of the two in the decode step.
 
 Design choices, and why
 -----------------------
@@ -360,10 +357,9 @@ def sample(logits: Array, sampling: SlotSampling, keys: Array,
 
     z = scaled(logits)
     # per-row thresholds rather than a [B, V] mask: without truncation, (-inf, V) keeps every token and the
-    # comparison fuses into the draw (a mask of ones was its own [B, V] write, ~47 us per decode step at
-    # 256 x 151936 on the H200, session 17's profile). `kept` scales the logits itself: as an operand of the
-    # device cond (truncation=None), z would be a buffer, a float32 [B, V] write every step whether or not
-    # the branch runs.
+    # comparison fuses into the draw (a mask of ones would be its own [B, V] write every decode step).
+    # `kept` scales the logits itself: as an operand of the device cond (truncation=None), z would be a
+    # buffer, a float32 [B, V] write every step whether or not the branch runs.
     def kept():
         return _kept_threshold(scaled(logits), top_k, top_p)
 

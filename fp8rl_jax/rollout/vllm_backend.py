@@ -29,8 +29,8 @@ GPU, jitted), then one of two ways (``WeightUpdate``):
   layer is restored to its checkpoint layout, loaded through the model's own ``load_weights``
   (which fuses q/k/v, gate/up and the experts at the offsets ``vllm_table`` states), then its
   ``process_weights_after_loading`` is redone (the scale layout of the GEMM kernel) and copied into
-  the original storage, so captured CUDA graphs stay valid. Generic, and slow: ~190 ms of its own
-  for Qwen3-8B on the H200 (session 8), mostly per-layer host work.
+  the original storage, so captured CUDA graphs stay valid. Generic, and slow: mostly per-layer
+  host work.
 - DIRECT: every vLLM parameter is written in place (``copy_``, so CUDA graphs stay valid) from the
   DLPack views, fused parts at their ``vllm_table`` offsets, in the layout vLLM keeps after
   loading. For block FP8 that layout is decided by the linear's kernel
@@ -80,14 +80,21 @@ import jax
 import numpy as np
 
 from fp8rl_jax.models.config import ModelConfig
-from fp8rl_jax.models.kv_cache import calibrate_kv_scales_jit, calibration_batch
+from fp8rl_jax.models.calibration import calibrate_kv_scales_jit, calibration_batch
 from fp8rl_jax.models.policy import DensePolicy
 from fp8rl_jax.quant.policy import LayerPolicy, quantize_params
 from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
-from fp8rl_jax.rollout.engine import KvCalibration
+from fp8rl_jax.rollout.config import KvCalibration
 from fp8rl_jax.rollout.sampling import SamplingConfig
 from fp8rl_jax.checkpoint.hf import SCALE_SUFFIX
-from fp8rl_jax.rollout.vllm_names import export_checkpoint, flat_leaves, source_arrays, to_torch_tensor, vllm_table
+from fp8rl_jax.rollout.vllm_names import (
+    abstract_quantized_params,
+    export_checkpoint,
+    flat_leaves,
+    source_arrays,
+    to_torch_tensor,
+    vllm_table,
+)
 
 SUPPORTED_VLLM = "0.26"
 INSTALL_HINT = "pip install 'fp8rl_jax[vllm]'"
@@ -150,7 +157,7 @@ class VLLMConfig:
       layer_policy: what ``update_weights`` quantizes; must match the checkpoint vLLM started from.
       seed: vLLM's engine seed (requests carry their own seeds).
       cudagraph_capture_sizes: decode batch sizes vLLM captures CUDA graphs for (None: vLLM's
-        default, 51 sizes up to 512, ~150 s of its start for Qwen3-8B on the H200).
+        default, 51 sizes up to 512, which take most of its start time).
       weight_update: DIRECT copies (the fast path), RELOAD (vLLM's own machinery), or AUTO.
       kv_calibration: FP8 KV only: where the scales come from after each update (module docstring).
       kv_calibration_prompts: prompts an INFERENCE calibration runs on.
@@ -325,7 +332,7 @@ def rollout_batch(outputs: Sequence[Any], max_len: int, prompt_lengths: Sequence
 
 
 class VLLMGenerator:
-    """A ``Generator`` backed by vLLM 0.26 in this process (GPU only)."""
+    """A ``Generator`` (``fp8rl_jax.rollout.base``) backed by vLLM 0.26 in this process (GPU only)."""
 
     def __init__(self, model_config: ModelConfig, config: VLLMConfig):
         _set_required_env()
@@ -361,8 +368,6 @@ class VLLMGenerator:
         """The table's names against the live model's weight parameters (names only: shapes may
         change in ``process_weights_after_loading``; FP8-KV ``k_scale``-style parameters are not ours)."""
         quantized = self.config.start_format is StartFormat.FP8_CHECKPOINT
-        from fp8rl_jax.rollout.vllm_names import abstract_quantized_params
-
         params = abstract_quantized_params(self.model_config, self.config.layer_policy if quantized else None)
         ours = {t.name for t in vllm_table(self.model_config, params)}
         theirs = {n for n, _ in self._model().named_parameters() if ".weight" in n or n.endswith("weight")}
@@ -370,13 +375,36 @@ class VLLMGenerator:
             raise RuntimeError(f"vLLM's parameters differ from the table: only vLLM {sorted(theirs - ours)[:8]}, "
                                f"only ours {sorted(ours - theirs)[:8]}")
 
-    def _wake(self) -> None:
+    @property
+    def params(self) -> None:
+        """None: vLLM holds its weights as torch tensors inside its engine, and ``update_weights``
+        returns only once they are in place (it synchronizes the GPU), so there is nothing to wait on."""
+        return None
+
+    def sleep(self, weights: bool = False) -> None:
+        """Frees vLLM's KV cache and weight memory until the next call that needs them: vLLM's sleep
+        at ``config.sleep``'s level (1 offloads the weights to host memory; 2 discards them, and
+        ``update_weights`` must come before the next ``generate``). Which weights go is the level's
+        choice, fixed when vLLM started, so ``weights`` changes nothing here. A no-op with
+        ``SleepLevel.OFF`` (vLLM started without its sleep-mode allocator and cannot free its pools)
+        and when already asleep (``generate`` sleeps after each call when a level is set)."""
+        if self.config.sleep is SleepLevel.OFF or self._asleep:
+            return
+        self.llm.sleep(level=self.config.sleep.value)
+        self._asleep = True
+        self._weights_valid = self.config.sleep is not SleepLevel.DISCARD_WEIGHTS
+
+    def wake(self) -> None:
+        """Allocates what ``sleep`` freed (weights and KV cache) again; a no-op when awake.
+        ``generate`` and ``set_kv_scales`` wake vLLM themselves."""
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[SamplingConfig]
                  ) -> RolloutBatch:
+        """One response per prompt from vLLM (waking it first, measuring FP8 KV scales first when
+        inference-side calibration finds them stale); sleeps afterwards when ``config.sleep`` is set."""
         configs = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
         if len(configs) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(configs)} sampling configs")
@@ -384,13 +412,10 @@ class VLLMGenerator:
         if not self._weights_valid:
             raise RuntimeError("vLLM discarded its weights when it slept (SleepLevel.DISCARD_WEIGHTS): call "
                                "update_weights before generate")
-        self._wake()
+        self.wake()
         self._ensure_kv_scales(prompts)
         outs = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], params, use_tqdm=False)
-        if self.config.sleep is not SleepLevel.OFF:
-            self.llm.sleep(level=self.config.sleep.value)
-            self._asleep = True
-            self._weights_valid = self.config.sleep is not SleepLevel.DISCARD_WEIGHTS
+        self.sleep()  # with a sleep level: free vLLM's memory for the trainer until the next call
         return rollout_batch(outs, self.config.max_model_len, [len(p) for p in prompts])
 
     def update_weights(self, params: Any, via: WeightUpdate | None = None) -> None:
@@ -435,8 +460,6 @@ class VLLMGenerator:
         if self.model_config.num_experts:
             return None, "MoE experts: vLLM repacks them after loading"
         import torch
-
-        from fp8rl_jax.rollout.vllm_names import abstract_quantized_params
 
         quantized = self.config.start_format is StartFormat.FP8_CHECKPOINT
         abstract = abstract_quantized_params(self.model_config, self.config.layer_policy if quantized else None)
@@ -493,7 +516,7 @@ class VLLMGenerator:
         k, v = np.asarray(k_scale, np.float32), np.asarray(v_scale, np.float32)
         if k.shape != (L,) or v.shape != (L,) or not (np.all(np.isfinite(k) & (k > 0)) and np.all(np.isfinite(v) & (v > 0))):
             raise ValueError(f"KV scales must be finite, positive and of shape ({L},); got {k.shape}, {v.shape}")
-        self._wake()
+        self.wake()
         layers = kv_scale_targets(self._model(), L)
         for i, attn in enumerate(layers):
             write_kv_scale(attn, float(k[i]), float(v[i]))

@@ -1,10 +1,9 @@
 """A stall watchdog for host loops that drive device programs.
 
-A device program that never finishes (seen on the H200: W1 rollouts whose decode attention used
-one-warp Pallas configs stopped advancing, no error) blocks the host thread inside XLA, where no
-Python exception can reach it: the job hangs until an outer limit kills it, and says nothing. A
-`StallWatchdog` runs beside the loop; the loop calls `beat` whenever it makes progress (a
-prefill group, a decode chunk); when no beat has come for ``seconds`` it reports the last
+A device program that never finishes (e.g. a kernel that deadlocks) blocks the host thread inside
+XLA, where no Python exception can reach it: the job hangs until an outer limit kills it, and says
+nothing. A `StallWatchdog` runs beside the loop; the loop calls `beat` whenever it makes progress
+(a prefill group, a decode chunk); when no beat has come for ``seconds`` it reports the last
 progress and every thread's stack, then acts (by default: exit code 3, so a scheduler restarts the
 job from its last checkpoint instead of holding the GPUs forever).
 """
@@ -17,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 STALL_EXIT_CODE = 3
@@ -81,8 +81,6 @@ def _dump_stacks() -> None:
     try:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     except (AttributeError, ValueError, OSError):
-        import traceback
-
         for tid, frame in sys._current_frames().items():
             print(f"thread {tid}:\n" + "".join(traceback.format_stack(frame)), file=sys.stderr)
     sys.stderr.flush()

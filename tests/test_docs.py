@@ -1,0 +1,133 @@
+"""The user documentation stays true: the configuration reference is the dataclasses' own output, every
+relative link in README.md and docs/ resolves, and no page reads as a work log. CPU only."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments import config_reference  # noqa: E402
+
+from fp8rl_jax.rl.config import RLConfig  # noqa: E402
+from fp8rl_jax.rollout.config import EngineConfig  # noqa: E402
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_configuration_page_is_generated():
+    page = ROOT / "docs" / "configuration.md"
+    assert page.read_text() == config_reference.render(), (
+        "docs/configuration.md differs from the dataclasses; regenerate it: "
+        "python experiments/config_reference.py --out docs/configuration.md")
+
+
+def test_reference_covers_every_field():
+    """Every leaf field of RLConfig and EngineConfig has a row under its dotted key."""
+    text = config_reference.render()
+    keys = set(re.findall(r"^\| `([a-z0-9_.]+)` \|", text, flags=re.M))
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            sub = config_reference._nested_class(typing.get_type_hints(cls)[f.name])
+            if sub is not None:
+                yield from walk(sub, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}"
+
+    expected = set(walk(RLConfig, ""))
+    engine_keys = {k for k in keys if k.startswith("engine.") or ".engine." in k}
+    if not engine_keys:
+        pytest.fail("the reference has no EngineConfig section")
+    assert expected <= keys, sorted(expected - keys)
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= {k.rsplit(".", 1)[1] for k in engine_keys}
+
+
+def test_docstring_attributes_are_parsed():
+    class Doc:
+        """Summary.
+
+        Attributes:
+          alpha: first line
+            continued.
+          beta, gamma: shared text.
+        Returns nothing.
+        """
+
+    got = config_reference.docstring_attributes(Doc)
+    assert got == {"alpha": "first line continued.", "beta": "shared text.", "gamma": "shared text."}
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of the headings of a markdown page: lower case, punctuation dropped, spaces -> '-'."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), flags=re.M)
+    return {re.sub(r"[^a-z0-9_\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_anchors_follow_github():
+    assert anchors(ROOT / "docs" / "recipes.md") >= {"several-hosts", "the-vllm-backend", "fp8-modes"}
+    assert "rolloutengine-engineconfig" in anchors(ROOT / "docs" / "configuration.md")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page):
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        path, _, fragment = target.partition("#")
+        dest = page if not path else page.parent / path
+        if not dest.exists() or (fragment and dest.suffix == ".md" and fragment not in anchors(dest)):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)} has links to missing files or headings: {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_work_log_words(page):
+    text = page.read_text()
+    assert not re.search(r"\bsessions?\b", text, flags=re.I), f"{page.relative_to(ROOT)} mentions a session"
+
+
+DOTTED = re.compile(r"`((?:fp8rl_jax|pallas_kernels|configs|experiments)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`")
+
+
+def resolve(dotted: str) -> bool:
+    """Whether ``a.b.c`` names an importable module or an attribute of one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_named_modules_and_objects_exist(page):
+    """Every `fp8rl_jax.x.y` (or pallas_kernels, configs, experiments) a page names in backticks exists."""
+    missing = sorted({d for d in DOTTED.findall(page.read_text()) if not resolve(d)})
+    assert not missing, f"{page.relative_to(ROOT)} names what does not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_python_examples_import(page):
+    """The import lines of every python example on the page run."""
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S):
+        imports = "\n".join(line for line in block.splitlines() if re.match(r"(from \S+ )?import ", line))
+        exec(compile(imports, f"{page.name} example", "exec"), {})
