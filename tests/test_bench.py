@@ -374,6 +374,13 @@ def test_runner_name_and_no_write(tmp_path, capsys):
     assert main(["nope"]) == 2 and "suites: " in capsys.readouterr().err
 
 
+def test_help_after_a_suite_lists_the_suites_flags(capsys):
+    assert main(["kv_write", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "experiments.bench kv_write" in text and "--rows" in text
+    assert main(["--help"]) == 0 and "--plan" in capsys.readouterr().out
+
+
 def test_hbm_copy_bandwidth_is_measured_once():
     bps = hbm_copy_bps()
     assert math.isfinite(bps) and bps > 1e8 and hbm_copy_bps() == bps  # cached for the process

@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     for k, v in MEMORY_ENV.items():  # before JAX starts its backend (no effect on one already started)
         os.environ.setdefault(k, v)
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__, allow_abbrev=False,
+                                     add_help=False)
+    parser.add_argument("-h", "--help", action="store_true", help="this help, or after a suite name the suite's flags")
     parser.add_argument("suite", nargs="?", help="the suite to run (--list names them)")
     parser.add_argument("--list", action="store_true", help="name the suites (with --plan: the plan's steps) and exit")
     parser.add_argument("--plan", choices=sorted(plans.PLANS), default=None,
@@ -104,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print the payload, write no file")
     parser.add_argument("--name", default=None, help="the result file's name (default: the suite's)")
     args, rest = parser.parse_known_args(argv)
+    if args.help:
+        if args.suite in SUITES:
+            suite_parser(args.suite).print_help()
+        else:
+            parser.print_help()
+        return 0
     try:
         if args.plan:
             if args.suite or rest:
