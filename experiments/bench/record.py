@@ -26,14 +26,14 @@ def device_slug(kind: str | None = None) -> str:
     return m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "unknown"
 
 
-COMMIT_ENV = "FP8RL_BENCH_COMMIT"  # the commit of a copy of the tree that has no .git (e.g. a remote GPU's copy)
+COMMIT_ENV = "FP8RL_BENCH_COMMIT"  # the commit of a copy of the tree (e.g. a remote GPU's), given by whoever copied it
 
 
 def git_commit() -> str:
-    """The checkout's commit (with ``+dirty`` when tracked files differ from it); where the tree is no git
-    checkout, ``$FP8RL_BENCH_COMMIT`` as given, else ``unknown``."""
-    if not (ROOT / ".git").exists():
-        return os.environ.get(COMMIT_ENV, "unknown")
+    """``$FP8RL_BENCH_COMMIT`` when set (a copy of the tree whose .git, if any, is not its history), else the
+    checkout's commit (with ``+dirty`` when tracked files differ from it), else ``unknown``."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()

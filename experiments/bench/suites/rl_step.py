@@ -177,7 +177,7 @@ def run_arm(cfg: BenchConfig, arm: Arm, out_dir: Path) -> dict:
     return summary
 
 
-def measure(cfg: BenchConfig, runs_dir: Path = Path("runs/bench_rl_step")) -> dict:
+def measure(cfg: BenchConfig, runs_dir: Path = Path("runs/rl_step")) -> dict:
     """Every arm's steps (their metrics logs under ``runs_dir``) and its summary."""
     results = {"model": dataclasses.asdict(cfg.model),
                "params": count_params(jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))),
@@ -205,7 +205,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--kv-gib", type=float, default=d.kv_gib)
     ap.add_argument("--no-remat", action="store_true")
-    ap.add_argument("--runs-dir", type=Path, default=Path("runs/bench_rl_step"), help="the arms' metrics logs")
+    ap.add_argument("--runs-dir", type=Path, default=Path("runs/rl_step"), help="the arms' metrics logs")
 
 
 def config(a: argparse.Namespace) -> BenchConfig:

@@ -86,7 +86,7 @@ class BenchConfig:
                                         steps_per_call=16, prefill_batch=8, dtype="bfloat16")
     backend: Backend = Backend.JAX
     vllm: vb.VLLMConfig | None = None  # the vllm backend's config template (model_path is filled in)
-    workdir: Path = Path("runs/bench_rollout")  # where the vllm backend writes its checkpoints
+    workdir: Path = Path("runs/rollout")  # where the vllm backend writes its checkpoints
     seed: int = 0
     # (beside BF16 weights, beside FP8 weights): the KV pool in GiB per mode, as vLLM's
     # gpu_memory_utilization left it on the same GPU, with the BF16 copy freed in FP8 weight modes

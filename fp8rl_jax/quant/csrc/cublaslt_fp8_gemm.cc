@@ -15,7 +15,7 @@
 // partials in the workspace summed by a second kernel, CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE), checked with
 // cublasLtMatmulAlgoCheck. An index past the list, or splits the algorithm refuses, falls back to the heuristic's
 // first (a tuning table made with another cuBLASLt must not break a run). fp8rl_cublaslt_algos lists the algorithms
-// for a shape, for the tuning sweep (experiments/tune_cublaslt_algos.py).
+// for a shape, for the tuning sweep (python -m experiments.bench cublaslt_tune).
 //
 // No CUDA or cuBLAS header is needed to build this file (g++ and jaxlib's FFI headers only): the few cuBLASLt
 // entry points used are declared below with the values of cuBLAS 13's cublasLt.h (checked against the real
