@@ -178,8 +178,16 @@ def test_nonfinite_weights_rejected_with_check_flag(saved, tmp_path, bad):
         (lambda c: c.pop("hidden_size"), "required key 'hidden_size'"),
         (lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}), "quantization_config"),
         (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "weight_block_size"),
+        (lambda c: c.update(tie_word_embeddings="false"), 'tie_word_embeddings must be true or false, got "false"'),
+        (lambda c: c.update(hidden_size=64.5), "hidden_size must be an integer, got 64.5"),
+        (lambda c: c.update(num_hidden_layers=2.0), "num_hidden_layers must be an integer, got 2.0"),
+        (lambda c: c.update(num_hidden_layers=True), "num_hidden_layers must be an integer, got true"),
+        (lambda c: c.update(vocab_size=None), "vocab_size must be an integer, got null"),
+        (lambda c: c.update(rms_norm_eps="1e-6"), 'rms_norm_eps must be a number, got "1e-6"'),
+        (lambda c: c.update(eos_token_id=[1, "2"]), r'eos_token_id must be an integer or a list of integers, got \[1, "2"\]'),
     ],
-    ids=["arch", "bias", "yarn", "sliding", "act", "gqa", "topk", "missing_key", "awq", "fp8_no_block"],
+    ids=["arch", "bias", "yarn", "sliding", "act", "gqa", "topk", "missing_key", "awq", "fp8_no_block", "bool_as_string",
+         "fractional_int", "float_int", "bool_as_int", "null", "number_as_string", "eos_list"],
 )
 def test_config_the_model_cannot_express(saved, tmp_path, edit, match):
     folder = _copy(saved[0], tmp_path / "m")

@@ -14,6 +14,7 @@ I expert ffn dim, E experts, V vocab, L layers.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Mapping
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
@@ -47,6 +48,16 @@ def fp8_block_size(quant: Mapping[str, Any] | None, source: str = "config.json")
 def fp8_quantization_config(block_size: tuple[int, int]) -> dict[str, Any]:
     """The config.json ``quantization_config`` of a block-FP8 checkpoint we write."""
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block_size)}
+
+
+_REQUIRED = object()
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _checked_float(v: Any, source: str, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{source}: {key} must be a number, got {json.dumps(v)}")
+    return float(v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,43 +170,65 @@ class ModelConfig:
         quant = d.get("quantization_config")
         if quant:
             fp8_block_size(quant, source)  # only block FP8 checkpoints are readable
-        try:
-            num_heads = int(d["num_attention_heads"])
-            hidden = int(d["hidden_size"])
-            eos = d.get("eos_token_id")
-            eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-            kw: dict[str, Any] = dict(
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d.get("intermediate_size", 0)),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-                head_dim=int(d.get("head_dim") or hidden // num_heads),
-                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10_000.0))),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 40_960)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_ids=eos_ids,
+        def value(key: str, kind: type, default: Any = _REQUIRED, *alternates: str) -> Any:
+            """``d[key]`` (else the first present alternate, else ``default``) checked to be a JSON value of
+            ``kind``: an int is no bool and no float, a float may be an int, a bool is only true/false."""
+            for k in (key, *alternates):
+                if k in d and d[k] is not None:
+                    key, v = k, d[k]
+                    break
+            else:
+                if default is not _REQUIRED:
+                    return default
+                if key in d:
+                    raise ConfigError(f"{source}: {key} must be {_KIND_NAMES[kind]}, got null")
+                raise ConfigError(f"{source}: required key {key!r} is missing")
+            ok = isinstance(v, bool) if kind is bool else (
+                isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else
+                isinstance(v, int) and not isinstance(v, bool))
+            if not ok:
+                raise ConfigError(f"{source}: {key} must be {_KIND_NAMES[kind]}, got {json.dumps(v)}")
+            return float(v) if kind is float else v
+
+        def int_list(key: str) -> tuple[int, ...]:
+            v = d.get(key)
+            items = [] if v is None else v if isinstance(v, list) else [v]
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+                raise ConfigError(f"{source}: {key} must be an integer or a list of integers, got {json.dumps(v)}")
+            return tuple(items)
+
+        num_heads = value("num_attention_heads", int)
+        hidden = value("hidden_size", int)
+        if num_heads <= 0:
+            raise ConfigError(f"{source}: num_attention_heads must be positive, got {num_heads}")
+        rope_theta = value("rope_theta", float, 10_000.0) if "rope_theta" not in rope else None
+        kw: dict[str, Any] = dict(
+            vocab_size=value("vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=value("intermediate_size", int, 0),
+            num_layers=value("num_hidden_layers", int),
+            num_heads=num_heads,
+            num_kv_heads=value("num_key_value_heads", int, num_heads),
+            head_dim=value("head_dim", int, hidden // num_heads),
+            rope_theta=rope_theta if rope_theta is not None else _checked_float(rope["rope_theta"], source,
+                                                                                 "rope_parameters.rope_theta"),
+            rms_norm_eps=value("rms_norm_eps", float, 1e-6),
+            max_position_embeddings=value("max_position_embeddings", int, 40_960),
+            tie_word_embeddings=value("tie_word_embeddings", bool, False),
+            bos_token_id=value("bos_token_id", int, None),
+            eos_token_ids=int_list("eos_token_id"),
+        )
+        if kind == "qwen3_moe":
+            kw.update(
+                num_experts=value("num_experts", int, 0, "num_local_experts"),
+                num_experts_per_tok=value("num_experts_per_tok", int),
+                moe_intermediate_size=value("moe_intermediate_size", int),
+                norm_topk_prob=value("norm_topk_prob", bool, False),
+                decoder_sparse_step=value("decoder_sparse_step", int, 1),
+                mlp_only_layers=int_list("mlp_only_layers"),
             )
-            if kind == "qwen3_moe":
-                kw.update(
-                    num_experts=int(d.get("num_experts", d.get("num_local_experts", 0))),
-                    num_experts_per_tok=int(d["num_experts_per_tok"]),
-                    moe_intermediate_size=int(d["moe_intermediate_size"]),
-                    norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                    decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
-                    mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
-                )
-                if kw["num_experts"] <= 0:
-                    raise unsupported("a qwen3_moe config with num_experts <= 0")
-        except KeyError as e:
-            raise ConfigError(f"{source}: required key {e.args[0]!r} is missing") from None
-        except (TypeError, ValueError) as e:
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError(f"{source}: malformed value: {e}") from None
+            if kw["num_experts"] <= 0:
+                raise unsupported("a qwen3_moe config with num_experts <= 0")
         try:
             return cls(**kw)
         except ConfigError as e:
