@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from fp8rl_jax.environment import run_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
@@ -45,18 +45,15 @@ def git_commit() -> str:
 
 
 def environment(**extra: Any) -> dict:
-    """Device, device count, backend, versions, commit and UTC date of this process, plus ``extra``."""
-    import jaxlib
-
-    versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version()}
-    for name in ("flax", "optax", "vllm", "torch"):
+    """The library's run record (`fp8rl_jax.environment.run_environment`: device, versions, UTC date) with
+    the optional packages' versions that are installed and the commit, plus ``extra``."""
+    versions = {}
+    for name in ("optax", "vllm", "torch"):
         try:
             versions[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - an optional package that is missing or broken is simply not recorded
             pass
-    return {"device": jax.devices()[0].device_kind, "devices": jax.device_count(), "backend": jax.default_backend(),
-            **versions, "commit": git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
+    return run_environment(**versions, commit=git_commit(), **extra)
 
 
 def write_result(name: str, payload: dict, out_dir: Path | str | None = None) -> Path:
