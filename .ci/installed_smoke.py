@@ -1,5 +1,6 @@
 """The installed wheel, used from outside the repository: its package data is there and the
-``fp8rl`` commands work end to end on a tiny checkpoint made here.
+``fp8rl`` commands work end to end on a tiny checkpoint made here (score, quantize, generate with
+token-id and text prompts through ``--tokenizer``, and a refused ``--out``).
 
     python .ci/installed_smoke.py REPO   # run with the fresh venv's python, from a folder outside REPO
 """
@@ -22,8 +23,9 @@ import configs
 import fp8rl_jax
 import pallas_kernels
 from configs.models import tiny_qwen3
-from fp8rl_jax.checkpoint import save_checkpoint
+from fp8rl_jax.checkpoint import load_tokenizer, save_checkpoint
 from fp8rl_jax.models import DensePolicy, forward, init_params
+from fp8rl_jax.tokenization import char_tokenizer
 
 
 def check(cond: bool, what: str) -> None:
@@ -55,6 +57,7 @@ def main(repo: Path) -> None:
     model, cfg = work / "tiny", tiny_qwen3
     params = init_params(cfg, jax.random.key(0), jnp.float32)
     save_checkpoint(model, params, cfg)
+    char_tokenizer().save(str(model / "tokenizer.json"))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 7)).astype(np.int32)
     np.save(work / "tokens.npy", tokens)
 
@@ -71,19 +74,29 @@ def main(repo: Path) -> None:
     quant = json.loads((work / "fp8" / "config.json").read_text()).get("quantization_config", {})
     check(quant.get("quant_method") == "fp8", "its config.json says block FP8")
 
-    (work / "prompts.json").write_text(json.dumps([[1, 2, 3], [4, 5]]))
+    # one request as token ids, one as text (the tokenizer.json quantize copied along)
+    (work / "prompts.json").write_text(json.dumps([[1, 2, 3], "12 + 3"]))
     proc = run("generate", "--model", str(work / "fp8"), "--prompts", str(work / "prompts.json"), "--max-new-tokens",
                "4", "--temperature", "0", "--ignore-eos", "--dtype", "float32", "--out", str(work / "gen.json"),
-               "--quiet")
-    check(proc.returncode == 0, "fp8rl generate on the FP8 checkpoint exits 0")
+               "--tokenizer", str(work / "fp8"), "--quiet")
+    check(proc.returncode == 0, "fp8rl generate --tokenizer on the FP8 checkpoint exits 0")
     out = json.loads((work / "gen.json").read_text())
     check([len(t) for t in out["tokens"]] == [4, 4] and [len(lp) for lp in out["logprobs"]] == [4, 4],
           "fp8rl generate writes 4 tokens and logprobs per prompt")
+    tok = load_tokenizer(work / "fp8")
+    check(out["prompt_tokens"] == [[1, 2, 3], tok.encode("12 + 3").ids]
+          and out["text"] == [tok.decode(t, skip_special_tokens=True) for t in out["tokens"]],
+          "fp8rl generate encodes the text prompt and decodes the generations")
 
     proc = run("score", "--model", str(work / "nope"), "--tokens", str(work / "tokens.npy"), "--out",
                str(work / "x.npy"), expect=2)
     check(proc.returncode == 2 and proc.stderr.startswith("error: ") and not (work / "x.npy").exists(),
           "bad input: exit 2, an error line, nothing written")
+    before = (work / "tokens.npy").read_bytes()
+    proc = run("score", "--model", str(model), "--tokens", str(work / "tokens.npy"), "--out", str(work / "tokens.npy"),
+               expect=2)
+    check(proc.returncode == 2 and "refusing to overwrite an input" in proc.stderr
+          and (work / "tokens.npy").read_bytes() == before, "an --out naming the --tokens file is refused, input kept")
     shutil.rmtree(work)
 
 

@@ -40,7 +40,9 @@ AIME24_QWEN3_8B = RLConfig(
     model=qwen3_8b,
     rollout=RolloutConfig(n_samples=16, temperature=1.0, max_new_tokens=20_480,
                           sleep_while_training=True,  # the trainer gets the KV pool's memory during its step
-                          engine=EngineConfig(max_seq_len=22_528, max_slots=256, page_size=16, kv_budget_gib=60.0,
+                          # the KV pool takes 85% of what each GPU has free once the train state and the
+                          # generator's weights are placed (fp8rl plan shows the split)
+                          engine=EngineConfig(max_seq_len=22_528, max_slots=256, page_size=16, kv_budget_fraction=0.85,
                                               steps_per_call=16, prefill_batch=16,
                                               stall_timeout_s=900.0)),  # a stalled decode exits (code 3); --resume restarts
     algorithm=AlgorithmConfig(loss=LossConfig(clip_low=0.2, clip_high=0.28, agg=LossAgg.TOKEN_MEAN,

@@ -18,8 +18,13 @@ DAPO-style GRPO with FP8 rollout and token-level TIS (``configs/rl.py``: ``AIME2
    ``eval/accuracy`` is the mean accuracy over ``data.eval_samples`` samples per problem
    (avg@k), ``eval/pass_at_k`` the fraction solved by at least one;
 4. Orbax checkpoints of the whole TrainState plus the data cursor every
-   ``logging.checkpoint_every`` steps under ``OUT/checkpoints``; ``--resume`` restores the
-   latest one (state, data cursor, step) and continues to ``data.steps``;
+   ``logging.checkpoint_every`` steps under ``OUT/checkpoints``, each with a checksum; ``--resume``
+   restores the newest intact one (state, data cursor, step; a damaged newer one is named and moved
+   to ``checkpoints/damaged/``) and continues to ``data.steps``, after checking that ``OUT/config.json``
+   is the same run (``RUN_IDENTITY``; ``--set resume_other_config=true`` skips the check). The run
+   owns ``OUT`` while it lasts (``OUT/run.lock``: a second run there exits with status 2); a fresh
+   run never deletes checkpoints: it refuses, or for ``--preset tiny`` moves the previous tiny run
+   to ``OUT.<date>-<time>``;
 5. metrics to ``OUT/metrics.jsonl`` (+ TensorBoard, + ``OUT/aime24.png``), ``OUT/summary.json``.
 
     python experiments/aime24_qwen3_8b.py --model-path DIR --train-data dapo.parquet \\
@@ -43,13 +48,12 @@ config.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import functools
 import hashlib
 import json
-import logging
-import shutil
 import string
 import sys
 import time
@@ -69,11 +73,16 @@ from fp8rl_jax.checkpoint import CheckpointError as HFCheckpointError
 from fp8rl_jax.checkpoint import load_config, load_params, load_tokenizer
 from fp8rl_jax.models import ModelConfig, abstract_params, init_params
 from fp8rl_jax.models.policy import MatmulPolicy
+from fp8rl_jax.parallel.mesh import MeshConfig, make_mesh
 from fp8rl_jax.rewards import math_reward
 from fp8rl_jax.rl import config as rlconfig
-from fp8rl_jax.rl.checkpointing import CheckpointConfig, Checkpointer, latest_step
+from fp8rl_jax.rl.checkpointing import (CheckpointConfig, Checkpointer, CheckpointError, latest_step,
+                                         open_run_notes)
 from fp8rl_jax.rl.generator import apply_generator_environment, make_generator
 from fp8rl_jax.rl.loop import MetricsLogger, Task, plot_metrics, read_metrics, run
+from fp8rl_jax.rl.memory import device_bytes_limit, plan_memory
+from fp8rl_jax.rl.run_dir import RunFolderError, RunLock, config_differences, move_aside, read_config
+from fp8rl_jax.rl.sharded import abstract_sharded_state, init_sharded_state, make_mesh_trainer
 from fp8rl_jax.rl.trainer import (
     TrainerConfig,
     TrainState,
@@ -125,6 +134,11 @@ class AimeConfig:
       chat_template: wrap prompts in Qwen's chat format; None: when the tokenizer has ``<|im_start|>``.
       overflow: what happens to prompts that do not fit.
       resume: continue from the latest checkpoint under ``rl.logging.out_dir/checkpoints``.
+      memory_check: on a GPU, stop before loading anything when the memory plan
+        (``fp8rl_jax.rl.memory.plan_memory``, printed at the start) says the run does not fit; false runs
+        anyway (the plan is an estimate).
+      resume_other_config: resume even when the folder's config.json names another seed, model or
+        training data (``RUN_IDENTITY``).
     """
 
     rl: rlconfig.RLConfig
@@ -134,6 +148,8 @@ class AimeConfig:
     chat_template: bool | None = None
     overflow: Overflow = Overflow.SKIP
     resume: bool = False
+    resume_other_config: bool = False
+    memory_check: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.overflow, Overflow):
@@ -151,8 +167,8 @@ def tiny_preset(base: rlconfig.RLConfig, model: ModelConfig, out_dir: str) -> rl
         base,
         model=dataclasses.replace(model, max_position_embeddings=256),
         rollout=dataclasses.replace(base.rollout, n_samples=2, max_new_tokens=8, engine=dataclasses.replace(
-            base.rollout.engine, max_seq_len=192, max_slots=16, page_size=16, kv_budget_gib=0.001, steps_per_call=8,
-            prefill_batch=16)),
+            base.rollout.engine, max_seq_len=192, max_slots=16, page_size=16, kv_budget_gib=0.001,
+            kv_budget_fraction=0.0, steps_per_call=8, prefill_batch=16)),
         optimizer=dataclasses.replace(base.optimizer, lr=1e-4, warmup_steps=0),
         trainer=rlconfig.TrainConfig(),
         data=rlconfig.DataConfig(prompts_per_step=2, steps=4, eval_every=2, eval_samples=2),
@@ -254,13 +270,38 @@ def _eos_ids(folder: Path, model_cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(ids)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Trainer:
+    """The trainer's functions for the run's devices: ``init(params, key)`` builds a fresh state in its
+    layout, ``target(key)`` the abstract state a checkpoint restores into."""
+
+    optimizer: Any
+    train_step: Any
+    logprob_fn: Any
+    init: Any
+    target: Any
+
+
 @functools.lru_cache(maxsize=4)
-def _trainer_fns(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, policy: MatmulPolicy):
-    """(optimizer, jitted train_step, jitted logprob_fn), cached so a resume in the same process
-    (the tiny demo) reuses the compiled functions; ``policy`` is BF16 or FP8 training (RLConfig.train_policy)."""
+def _trainer(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, policy: MatmulPolicy, mesh_cfg: MeshConfig,
+             devices: tuple) -> _Trainer:
+    """The jitted train step and logprob pass, on one device or sharded on the ``mesh_cfg`` mesh; cached
+    so a resume in the same process (the tiny demo) reuses the compiled functions. ``policy`` is BF16 or
+    FP8 training (RLConfig.train_policy)."""
+    if len(devices) > 1:
+        mt = make_mesh_trainer(model_cfg, policy, trainer_cfg, make_mesh(mesh_cfg, devices))
+        return _Trainer(mt.optimizer, mt.train_step, mt.logprob_fn, functools.partial(init_sharded_state, mt),
+                        functools.partial(abstract_sharded_state, mt, model_cfg))
     optimizer = make_optimizer(trainer_cfg.optimizer)
-    return (optimizer, make_train_step(model_cfg, policy, trainer_cfg, optimizer),
-            make_logprob_fn(model_cfg, policy, trainer_cfg))
+
+    def init(params, key):  # committed like a restored state, so a resume in the same process reuses the steps
+        return jax.device_put(init_train_state(params, optimizer, key), devices[0])
+
+    def target(key):
+        return jax.eval_shape(lambda p: init_train_state(p, optimizer, key), abstract_params(model_cfg, jnp.float32))
+
+    return _Trainer(optimizer, make_train_step(model_cfg, policy, trainer_cfg, optimizer),
+                    make_logprob_fn(model_cfg, policy, trainer_cfg), init, target)
 
 
 @jax.jit
@@ -289,6 +330,12 @@ class RunResult:
 
 
 def main(config: AimeConfig) -> RunResult:
+    """One run of the recipe in ``rl.logging.out_dir``, which it owns (``run.lock``) until it returns."""
+    with contextlib.ExitStack() as cleanup:
+        return _run(config, cleanup)
+
+
+def _run(config: AimeConfig, cleanup: contextlib.ExitStack) -> RunResult:
     t_start = time.perf_counter()
     cfg = config.rl
     apply_generator_environment(cfg)  # rollout.backend=vllm: the GPU's memory split, before JAX starts on it
@@ -318,16 +365,21 @@ def main(config: AimeConfig) -> RunResult:
     if train_spec is None:
         raise UsageError("--preset tiny needs prompts: pass --train-data or --eval-data")
 
+    try:
+        lock = cleanup.enter_context(RunLock(out))  # released when main returns or raises
+    except RunFolderError as e:
+        raise UsageError(f"{e}; pass another --out") from None
+    for note in open_run_notes(lock, ckpt_dir):
+        print(f"note: {note}")
     latest = _latest_checkpoint(ckpt_dir)
     if config.resume and latest is None:
         raise UsageError(f"--resume: no checkpoint under {ckpt_dir}")
     if not config.resume and latest is not None:
         if config.random_init and _was_tiny_run(out):
-            print(f"note: removing the previous tiny run's checkpoints in {ckpt_dir}")
-            shutil.rmtree(ckpt_dir)
+            print(f"note: moved the previous tiny run in {out} (checkpoints up to step {latest}) to {move_aside(out)}")
         else:
             raise UsageError(f"{out} already holds checkpoints (latest step {latest}): pass --resume to continue "
-                             "that run, or another --out")
+                             "that run, or another --out (a fresh run never replaces them)")
 
     # 2. tokenizer and model
     if config.random_init:
@@ -376,23 +428,59 @@ def main(config: AimeConfig) -> RunResult:
         evals = evals[: cfg.data.eval_prompts or None]
 
     # 3. trainer state: fresh (weights from the folder or random) or restored from a checkpoint
-    optimizer, train_step, logprob_fn = _trainer_fns(model_cfg, cfg.trainer_config(),
-                                                     dataclasses.replace(cfg, model=model_cfg).train_policy())
+    devices = tuple(jax.devices())
+    if jax.process_count() > 1:
+        raise UsageError(f"this run spans {jax.process_count()} processes: the RL recipe runs on the GPUs of one "
+                         "host (rollout across hosts is not implemented); start it on one host")
+    try:
+        mesh_cfg = cfg.parallel.mesh_config(len(devices))
+    except rlconfig.ConfigError as e:
+        raise UsageError(str(e)) from None
+    batch = cfg.data.prompts_per_step * cfg.rollout.n_samples
+    if batch % mesh_cfg.batch_shards:
+        raise UsageError(f"the batch (data.prompts_per_step x rollout.n_samples = {batch}) does not split over the "
+                         f"{mesh_cfg.batch_shards} batch shards of the mesh ({mesh_cfg}); change "
+                         "data.prompts_per_step or parallel.*")
+    limit = device_bytes_limit()
+    engine_cfg = cfg.rollout.engine
+    if limit is None and engine_cfg.kv_budget_fraction and not engine_cfg.num_pages:
+        raise UsageError(f"rollout.engine.kv_budget_fraction = {engine_cfg.kv_budget_fraction:g} sizes the KV pool from "
+                         f"free GPU memory, which the {jax.default_backend()} backend does not report: set "
+                         "rollout.engine.kv_budget_fraction=0 and rollout.engine.kv_budget_gib=...")
+    if limit is not None:  # a GPU: the per-device memory plan, before anything big is allocated
+        try:
+            plan = plan_memory(cfg, len(devices), limit, name=config.model_name)
+        except rlconfig.ConfigError as e:
+            raise UsageError(str(e)) from None
+        print(plan.table())
+        if not plan.fits and config.memory_check:
+            raise UsageError(f"{plan.problem()} (the plan is an estimate: --set memory_check=false runs anyway)")
+    trainer = _trainer(model_cfg, cfg.trainer_config(), cfg.train_policy(), mesh_cfg, devices)
+    train_step, logprob_fn = trainer.train_step, trainer.logprob_fn
     checkpointer = Checkpointer(ckpt_dir, CheckpointConfig(max_to_keep=cfg.logging.keep_checkpoints))
     cursor: dict[str, Any] = {}
     start_step, resumed_fp = 0, None
     state_key = jax.random.key(cfg.seed + 1)
     if config.resume:
-        target = jax.eval_shape(lambda p: init_train_state(p, optimizer, state_key),
-                                abstract_params(model_cfg, jnp.float32))
-        state, cursor = checkpointer.restore(target)
+        if not config.resume_other_config:
+            _check_same_run(out, dataclasses.replace(config, rl=cfg))
+        target = trainer.target(state_key)
+        try:
+            restored = checkpointer.restore_latest(target)
+        except CheckpointError as e:
+            raise UsageError(f"--resume: {' '.join(str(e).split())}") from None
+        for step, why, moved in restored.damaged:
+            print(f"warning: {' '.join(why.split())}; moved it to {moved}; using step {restored.step}")
+        if not restored.verified:
+            print(f"note: {restored.path} has no checksum (saved before checksums were written): restored unverified")
+        state, cursor, latest = restored.state, restored.cursor, restored.step
         start_step = int(cursor.get("step", latest))
         resumed_fp = fingerprint(state)
         n_train = cursor.get("train_examples")
         if n_train is not None and n_train != len(train):
             print(f"note: the checkpoint's training set had {n_train} prompts, this run has {len(train)}: the data "
                   "cursor points into a different order")
-        print(f"resumed from {ckpt_dir / str(latest)}: step {start_step}, data cursor {cursor.get('data_cursor', 0)}")
+        print(f"resumed from {restored.path}: step {start_step}, data cursor {cursor.get('data_cursor', 0)}")
         if start_step >= cfg.data.steps:
             print(f"note: the checkpoint is at step {start_step} >= data.steps = {cfg.data.steps}; nothing to train "
                   f"(raise --set data.steps=N to continue)")
@@ -401,15 +489,15 @@ def main(config: AimeConfig) -> RunResult:
             params = init_params(model_cfg, jax.random.key(cfg.seed), jnp.float32)
         else:
             params = load_params(folder, model_cfg, dtype=cfg.trainer.compute_dtype.value)
-        # committed like a restored state, so a resume in the same process reuses the compiled steps
-        state = jax.device_put(init_train_state(params, optimizer, state_key), jax.devices()[0])
+        state = trainer.init(params, state_key)
         del params
 
     dataset = PromptDataset(train, seed=cfg.data.seed, cursor=int(cursor.get("data_cursor", 0)))
     task = Task(next_batch=dataset.next_batch, encode=encode, decode=decode, reward_fn=math_reward,
                 eval_examples=evals,
                 cursor=lambda: {"data_cursor": dataset.cursor, "data_seed": dataset.seed, "train_examples": len(train)})
-    engine = make_generator(cfg, model_cfg, state.params, out)  # rollout.backend: our JAX engine or vLLM
+    # rollout.backend: our JAX engine (one replica per device group on several devices) or vLLM
+    engine = make_generator(cfg, model_cfg, state.params, out, devices)
 
     # 4. the loop, logging
     out.mkdir(parents=True, exist_ok=True)
@@ -469,13 +557,28 @@ def main(config: AimeConfig) -> RunResult:
 
 
 def _latest_checkpoint(ckpt_dir: Path) -> int | None:
-    absl = logging.getLogger("absl")  # Orbax warns that a read-only manager ignores save options
-    level = absl.level
-    absl.setLevel(logging.ERROR)
+    return latest_step(ckpt_dir)  # the newest complete step (intact or not: restore_latest checks)
+
+
+# What makes a folder's checkpoints this run's: a resume with another value stops (UsageError) unless
+# resume_other_config is set. data.steps, evaluation, logging and the recipe's knobs may change.
+RUN_IDENTITY = ("rl.seed", "rl.model", "model_path", "random_init", "rl.data.train_path", "rl.data.seed",
+                "rl.data.prompts_per_step")
+
+
+def _check_same_run(out: Path, config: AimeConfig) -> None:
     try:
-        return latest_step(ckpt_dir)
-    finally:
-        absl.setLevel(level)
+        saved = read_config(out)
+    except RunFolderError as e:
+        raise UsageError(f"--resume: {e}; pass --set resume_other_config=true to resume anyway") from None
+    if saved is None:
+        raise UsageError(f"--resume: {out} has checkpoints but no config.json to check them against; pass "
+                         "--set resume_other_config=true to resume anyway")
+    diffs = config_differences(saved, rlconfig.to_dict(config), RUN_IDENTITY)
+    if diffs:
+        raise UsageError(f"--resume: {out} holds another run's checkpoints ({'; '.join(diffs[:4])}"
+                         f"{'; ...' if len(diffs) > 4 else ''}): pass the same settings, another --out, or "
+                         "--set resume_other_config=true to resume anyway")
 
 
 def _was_tiny_run(out: Path) -> bool:

@@ -1,7 +1,10 @@
-"""Scoring demo: the tiny checkpoint the README's ``fp8rl score`` example uses, and a check of it.
+"""Scoring demo: the tiny checkpoint the README's ``fp8rl`` walk-through uses, and a check of it.
 
-Builds a tiny random Qwen3 and a character tokenizer in-process, writes them as a Hugging Face
-folder, scores a few sentences with the ``fp8rl score`` command, and checks the logits against the
+Builds a tiny random Qwen3 and a character tokenizer in-process and writes them as a Hugging Face
+folder ``OUT/model`` (config.json, model.safetensors, tokenizer.json), the token ids of a few
+sentences as ``OUT/tokens.npy`` (int32 [B, T], what ``fp8rl score --tokens`` reads) and two text
+prompts as ``OUT/prompts.txt`` (one a line, what ``fp8rl generate --tokenizer`` reads); then
+scores the sentences with the ``fp8rl score`` command and checks the logits against the
 in-process JAX forward. Runs on the CPU in well under a minute.
 
     python experiments/score_demo.py [--out runs/score_demo] [--preset tiny_qwen3]
@@ -26,6 +29,7 @@ from fp8rl_jax.models import DensePolicy, ModelConfig, forward, init_params
 from fp8rl_jax.tokenization import char_tokenizer
 
 SENTENCES = ["12 + 34 = 46", "The answer is 42.", "FP8 rollout, BF16 learning."]
+PROMPTS = ["12 + 34 =", "The answer is"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +41,9 @@ class DemoConfig:
 
 def main(config: DemoConfig) -> dict:
     tok = char_tokenizer()
-    model_cfg = dataclasses.replace(config.model, vocab_size=max(config.model.vocab_size, tok.get_vocab_size()))
+    # the vocabulary and EOS are the tokenizer's, so that every id the random model generates decodes to text
+    model_cfg = dataclasses.replace(config.model, vocab_size=tok.get_vocab_size(), bos_token_id=None,
+                                    eos_token_ids=(tok.token_to_id("<eos>"),))
     model_dir = config.out / "model"
     params = init_params(model_cfg, jax.random.key(config.seed), jnp.bfloat16)
     save_checkpoint(model_dir, params, model_cfg)
@@ -49,6 +55,7 @@ def main(config: DemoConfig) -> dict:
     for b, row in enumerate(ids):
         tokens[b, : len(row)] = row
     np.save(config.out / "tokens.npy", tokens)
+    (config.out / "prompts.txt").write_text("".join(f"{p}\n" for p in PROMPTS))
 
     cmd = [sys.executable, "-m", "fp8rl_jax.cli", "score", "--model", str(model_dir), "--tokens",
            str(config.out / "tokens.npy"), "--out", str(config.out / "logits.npy"), "--dtype", "float32"]

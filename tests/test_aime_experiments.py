@@ -238,6 +238,7 @@ def test_model_path_folder_end_to_end(exp8b, tmp_path, capsys):
     out = tmp_path / "run"
     sizes = ["trainer.micro_batches=1", "trainer.remat=false", "rollout.n_samples=2", "rollout.max_new_tokens=8",
              "rollout.engine.max_seq_len=192", "rollout.engine.max_slots=16", "rollout.engine.kv_budget_gib=0.001",
+             "rollout.engine.kv_budget_fraction=0",
              "rollout.engine.steps_per_call=8", "rollout.engine.prefill_batch=16", "optimizer.lr=1e-4", "optimizer.warmup_steps=0",
              "data.prompts_per_step=2", "data.steps=1", "data.eval_every=1", "data.eval_samples=2",
              "logging.checkpoint_every=1", "overflow=truncate", *QUIET]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import chex
@@ -17,7 +19,10 @@ from safetensors.numpy import save_file
 from configs.models import tiny_qwen3, tiny_qwen3_moe
 from fp8rl_jax.checkpoint import (CheckpointError, SafetensorsFile, load_checkpoint, load_config, load_params,
                                   param_table, save_checkpoint)
+from fp8rl_jax.checkpoint import quantize as quantize_module
+from fp8rl_jax.checkpoint.atomic import write_atomic
 from fp8rl_jax.models import init_params
+from fp8rl_jax.quant.policy import LayerPolicy
 from fp8rl_jax.tokenization import char_tokenizer
 
 
@@ -235,3 +240,71 @@ def test_index_errors(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"not found in the shard the index names: model\.norm\.weight"):
         load_checkpoint(folder)
+
+
+def _tree(folder: Path) -> dict:
+    return {p.relative_to(folder): p.read_bytes() if p.is_file() else "dir" for p in sorted(folder.rglob("*"))}
+
+
+def test_quantize_refuses_policies_and_outputs_that_cannot_be_right(saved, tmp_path):
+    """A layer policy that leaves no FP8 layer, and an output inside the source, are errors that write nothing."""
+    folder = saved[0]
+    before = _tree(folder)
+    with pytest.raises(CheckpointError, match="keep all 2 decoder layers .* no FP8 weight"):
+        quantize_module.quantize_checkpoint(folder, tmp_path / "fp8", LayerPolicy(bf16_first_layers=1,
+                                                                                   bf16_last_layers=1))
+    with pytest.raises(CheckpointError, match="keep all 2 decoder layers"):
+        quantize_module.quantize_checkpoint(folder, tmp_path / "fp8", LayerPolicy(bf16_first_layers=99))
+    with pytest.raises(CheckpointError, match="lies inside the source folder"):
+        quantize_module.quantize_checkpoint(folder, folder / "fp8")
+    assert _tree(folder) == before and not list(tmp_path.iterdir())
+
+
+def test_racing_quantizes_stage_apart_and_one_wins(saved, tmp_path, monkeypatch):
+    """Two writers of one output, both past the up-front checks and both done writing before either renames:
+    each staged in a folder of its own beside the output; the first rename wins, the second fails naming the
+    output and removes its staging folder. (`tests/test_cli.py` races two processes.)"""
+    barrier = threading.Barrier(2, timeout=120)
+    staged: list[Path] = []
+    write = quantize_module._write
+
+    def write_then_wait(src, dst, *args):
+        staged.append(dst)
+        summary = write(src, dst, *args)
+        barrier.wait()
+        return summary
+
+    monkeypatch.setattr(quantize_module, "_write", write_then_wait)
+    out, results = tmp_path / "fp8", [None, None]
+
+    def run(i):
+        try:
+            results[i] = quantize_module.quantize_checkpoint(saved[0], out)
+        except CheckpointError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(staged)) == 2 and {p.parent for p in staged} == {tmp_path}
+    errors = [r for r in results if isinstance(r, CheckpointError)]
+    assert len(errors) == 1 and "filled by another writer" in str(errors[0]), results
+    assert sorted(os.listdir(tmp_path)) == ["fp8"]
+    assert load_checkpoint(out, fp8=True).hf_config["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+
+    def fail_midway(f):
+        f.write(b"new, half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_atomic(target, fail_midway)
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.bin"]
+    write_atomic(target, lambda f: f.write(b"new"))
+    assert target.read_bytes() == b"new" and os.listdir(tmp_path) == ["out.bin"]

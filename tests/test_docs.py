@@ -151,3 +151,33 @@ def test_results_name_plan_steps():
                     assert name in names, f"docs/results.md ({gpu}) names step {name!r}, not in the {gpu} plan"
                     checked += 1
     assert checked > 10
+
+
+def _pct(x: float, digits: int = 0) -> str:
+    return f"{100 * x:.{digits}f}".rstrip("0").rstrip(".") + "%" if digits else f"{100 * x:.0f}%"
+
+
+def test_quoted_demo_numbers_are_the_recorded_run():
+    """The README, docs/quickstart.md and docs/results.md quote the demo's numbers from its recorded
+    summary (``python experiments/quickstart.py --record`` writes experiments/results/cpu/quickstart.json)."""
+    import json
+
+    rec = json.loads((ROOT / "experiments/results/cpu/quickstart.json").read_text())
+    s = rec["summary"]
+    first, first10, last10 = s["train_reward_first_step"], s["train_reward_first_10_mean"], s["train_reward_last_10_mean"]
+    before, after, kl = s["eval_accuracy_before_rl"], s["eval_accuracy_after_rl"], f"{s['mismatch_kl_k3_mean']:.1e}"
+    text = {p: " ".join((ROOT / p).read_text().split()) for p in ("README.md", "docs/quickstart.md", "docs/results.md")}
+    quotes = {
+        "README.md": [f"from ~{_pct(first)} at the first step to ~{_pct(last10)} over the last 10",
+                      f"from {_pct(before, 1)} to {_pct(after, 1)}", f"averages {kl}"],
+        "docs/quickstart.md": [f"from {_pct(first)} at the first step ({_pct(first10)} over the first 10) to "
+                               f"{_pct(last10)} over the last 10 steps", f"from {_pct(before, 1)} to {_pct(after, 1)}",
+                               f"averages {kl}"],
+        "docs/results.md": [f"{_pct(first, 1)} -> {_pct(last10, 1)} (greedy held-out accuracy {_pct(before, 1)} -> "
+                            f"{_pct(after, 1)}), mean K3 KL {kl} | `python experiments/quickstart.py --record` | "
+                            f"{rec['environment']['commit'][:7]} | {rec['environment']['date'][:10]}"],
+    }
+    for page, wanted in quotes.items():
+        for quote in wanted:
+            assert quote in text[page], (page, quote)
+    assert "+dirty" not in rec["environment"]["commit"], "record the demo from a clean checkout"

@@ -32,7 +32,7 @@ MAX_LINES = 700
 FLOORS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (0, ("pallas_kernels",)),
     (1, ("fp8rl_jax", "fp8rl_jax.numerics", "fp8rl_jax.tokenization", "fp8rl_jax.tasks", "fp8rl_jax.rewards",
-         "fp8rl_jax.environment")),
+         "fp8rl_jax.environment", "fp8rl_jax.fields")),
     (2, ("fp8rl_jax.models",)),
     (3, ("fp8rl_jax.quant", "fp8rl_jax.parallel")),
     (4, ("fp8rl_jax.checkpoint",)),

@@ -294,3 +294,48 @@ def test_init_params_draws_hf_init_leaf_by_leaf(cfg):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(c))
         assert a.ndim == 1 or not np.array_equal(np.asarray(a), np.asarray(d))
+
+
+def test_causal_attention_by_query_blocks_equals_float64_softmax():
+    """Past ``block`` tokens, ``causal_attention`` goes block by block (memory ~ T x block): the output and
+    the gradients of q, k and v equal a float64 numpy causal softmax with padded keys masked, and the
+    short path (one block) agrees with the blocked one on the same inputs."""
+    from fp8rl_jax.models.attention import causal_attention
+
+    rng = np.random.default_rng()
+    B, T, N, K, H = 2, int(rng.integers(9, 20)), 4, 2, 8
+    q, k, v = (rng.normal(size=(B, T, n, H)).astype(np.float32) for n in (N, K, K))
+    valid = np.ones((B, T), bool)
+    valid[1, int(rng.integers(T // 2, T)):] = False  # right padding in row 1
+    w = rng.normal(size=(B, T, N, H))
+
+    def reference(q, k, v):
+        qg = q.reshape(B, T, K, N // K, H)
+        s = np.einsum("btkgh,bskh->bkgts", qg, k) / np.sqrt(H)
+        allowed = np.tril(np.ones((T, T), bool))[None] & valid[:, None, :]
+        s = np.where(allowed[:, None, None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        return np.einsum("bkgts,bskh->btkgh", p, v).reshape(B, T, N, H)
+
+    def loss(q, k, v, block):
+        return jnp.sum(causal_attention(q, k, v, jnp.asarray(valid), block=block) * w)
+
+    out = {blk: np.asarray(jax.jit(causal_attention, static_argnames="block")(q, k, v, jnp.asarray(valid), block=blk))
+           for blk in (4, T)}
+    ref = reference(*(x.astype(np.float64) for x in (q, k, v)))
+    rows = valid[:, :, None, None]  # a padded query's output is never read
+    for got in out.values():
+        assert rel_err(np.where(rows, got, 0), np.where(rows, ref, 0)) < 1e-5
+    grads = {blk: jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, blk) for blk in (4, T)}
+    eps = 1e-3  # the float64 reference gradient by central differences of the reference, on a few entries
+    for idx in [tuple(int(rng.integers(s)) for s in q.shape) for _ in range(3)]:
+        if not valid[idx[0], idx[1]]:
+            continue
+        dq = np.zeros_like(q, np.float64)
+        dq[idx] = eps
+        num = (np.sum((reference(q + dq, k, v) - reference(q - dq, k, v)) * w * rows)) / (2 * eps)
+        for g in grads.values():
+            assert abs(float(g[0][idx]) - num) < 1e-3 * max(1.0, abs(num))
+    for a, b in zip(grads[4], grads[T], strict=True):
+        assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5

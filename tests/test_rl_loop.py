@@ -86,6 +86,28 @@ def test_override_rejects_bad_values_naming_the_field(bad, match):
         rlconfig.override(QUICKSTART, [bad])
 
 
+@pytest.mark.parametrize("make, match", [
+    (lambda: rlconfig.DataConfig(steps=5.0), "DataConfig.steps must be an int, got 5.0"),
+    (lambda: rlconfig.PrecisionConfig(train_fp8="false"), "PrecisionConfig.train_fp8 must be a bool, got 'false'"),
+    (lambda: rlconfig.TrainConfig(logits_chunk=1024.5), "TrainConfig.logits_chunk must be an int | None"),
+    (lambda: rlconfig.RolloutConfig(temperature=True), "RolloutConfig.temperature must be a float, got True"),
+    (lambda: rlconfig.LoggingConfig(checkpoint_every="2"), "LoggingConfig.checkpoint_every must be an int"),
+    (lambda: rlconfig.PrecisionConfig(rollout="all"), "PrecisionConfig.rollout must be a Fp8Mode, got 'all'"),
+    (lambda: EngineConfig(decode_buckets=(16, 32.0)), "EngineConfig.decode_buckets must be a tuple"),
+    (lambda: dataclasses.replace(tiny_qwen3, tie_word_embeddings="false"), "ModelConfig.tie_word_embeddings"),
+    (lambda: TrainerConfig(micro_batches=np.float32(2)), "TrainerConfig.micro_batches must be an int"),
+    (lambda: rlconfig.RLConfig(model=tiny_qwen3, seed=None), "RLConfig.seed must be an int, got None"),
+])
+def test_config_fields_are_checked_by_type_where_they_are_made(make, match):
+    """A value of the wrong type fails on construction, naming the class, the field and the value (a
+    string "false" is truthy, a float where an int is due would truncate later); ints stand for floats."""
+    with pytest.raises(ValueError, match=match.replace("|", r"\|").replace("(", r"\(")):
+        make()
+    rlconfig.RolloutConfig(temperature=1, top_p=1)
+    with pytest.raises(rlconfig.ConfigError, match="sweep trainer.remat: TrainConfig.remat must be a bool, got 1"):
+        list(rlconfig.sweep(QUICKSTART, {"trainer.remat": [1]}))
+
+
 def test_sweep_and_presets():
     cfgs = list(rlconfig.sweep(QUICKSTART, {"precision.rollout": ["none", "all"], "optimizer.lr": [1e-4, 3e-4]}))
     assert [(c.precision.rollout, c.optimizer.lr) for c in cfgs] == [
@@ -105,7 +127,7 @@ def test_presets_give_the_engine_the_settings_they_always_had():
     quick = EngineConfig(max_slots=256, page_size=8, kv_budget_gib=0.004, max_seq_len=32, steps_per_call=5,
                          prefill_batch=256, precision=Fp8Mode.ALL, dtype="bfloat16",
                          kv_calibration=KvCalibration.INFERENCE)
-    aime = EngineConfig(max_slots=256, page_size=16, kv_budget_gib=60.0, max_seq_len=22_528, steps_per_call=16,
+    aime = EngineConfig(max_slots=256, page_size=16, kv_budget_fraction=0.85, max_seq_len=22_528, steps_per_call=16,
                         prefill_batch=16, precision=Fp8Mode.ALL, dtype="bfloat16", stall_timeout_s=900.0)
     assert QUICKSTART.engine_config() == quick
     assert PRESETS["aime24_qwen3_8b"].engine_config() == aime

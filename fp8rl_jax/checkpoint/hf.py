@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
-from fp8rl_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+from fp8rl_jax.checkpoint.atomic import write_text_atomic
+from fp8rl_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_tensors
 from fp8rl_jax.models.config import ConfigError, ModelConfig, fp8_block_size, fp8_quantization_config
 from fp8rl_jax.models.qwen3 import abstract_params
 from fp8rl_jax.numerics.fp8 import QuantizedWeight
@@ -320,6 +320,7 @@ def save_checkpoint(
     ``hf_config`` (the raw config.json of the source) is written back with only its dtype (and
     quantization) updated, so keys we do not model survive the round trip; without it,
     ``config.to_hf_dict()`` is written. ``copy_files_from`` copies tokenizer and generation files.
+    Each file is written to a temporary file renamed into place, with the modes ``open()`` gives.
     """
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -368,13 +369,12 @@ def save_checkpoint(
             for name, host in hf_tensors(spec):
                 tensors[name] = host
                 weight_map[name] = fname
-        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+        save_tensors(tensors, folder / fname, metadata={"format": "pt"})
         del tensors
     if len(shards) > 1:
         total = sum(nbytes(s) for s in table)
-        (folder / INDEX).write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
-        )
+        write_text_atomic(folder / INDEX,
+                          json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     out_cfg = dict(hf_config) if hf_config is not None else config.to_hf_dict()
     out_cfg.pop("quantization_config", None)
     if blocks:
@@ -383,7 +383,7 @@ def save_checkpoint(
     for key in ("torch_dtype", "dtype"):
         if key in out_cfg or (key == "torch_dtype" and "dtype" not in out_cfg):
             out_cfg[key] = dtype_name
-    (folder / CONFIG).write_text(json.dumps(out_cfg, indent=2) + "\n")
+    write_text_atomic(folder / CONFIG, json.dumps(out_cfg, indent=2) + "\n")
     if copy_files_from is not None:
         for aux in AUX_FILES:
             src = Path(copy_files_from) / aux

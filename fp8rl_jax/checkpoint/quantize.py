@@ -8,7 +8,10 @@ and config keys are kept; config.json gains ``quantization_config``. MoE experts
 tensor per expert projection, as in the public checkpoints.
 
 Each source shard is read through memory maps and written before the next is read, so peak host
-memory is about one shard, not the model.
+memory is about one shard, not the model. The output is built in a staging folder of its own
+beside ``dst`` (a unique name per call, so concurrent writers never share one) and renamed to
+``dst`` at the end; a ``dst`` filled meanwhile by another writer is left as it is and the call
+fails. Nothing is left behind on failure.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors.numpy import save_file
 
+from fp8rl_jax.checkpoint.atomic import make_parents, publish_dir, remove_empty, staging_dir
 from fp8rl_jax.checkpoint.hf import (IGNORED_SUFFIXES, AUX_FILES, CONFIG, INDEX, SCALE_SUFFIX, weight_files,
                                      load_config, param_table)
-from fp8rl_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+from fp8rl_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_tensors
 from fp8rl_jax.models.config import fp8_quantization_config
 from fp8rl_jax.quant.policy import LayerPolicy, quantize_weight, site_of
 
@@ -42,11 +45,17 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, layer_policy: LayerPol
         raise CheckpointError(f"{src / CONFIG}: the checkpoint is already quantized ({raw['quantization_config']})")
     if src.resolve() == dst.resolve():
         raise CheckpointError(f"--out {dst} is the source folder; write the FP8 checkpoint elsewhere")
+    if src.resolve() in dst.resolve().parents:
+        raise CheckpointError(f"--out {dst} lies inside the source folder {src}; write the FP8 checkpoint elsewhere")
     files, weight_map = weight_files(src)
     to_quantize = {
         name for spec in param_table(config)
         if layer_policy.quantizes(site_of(spec.path), config.num_layers) for name in spec.hf_names
     }
+    if not to_quantize:
+        raise CheckpointError(
+            f"bf16_first_layers={layer_policy.bf16_first_layers} and bf16_last_layers={layer_policy.bf16_last_layers} "
+            f"keep all {config.num_layers} decoder layers of {src} in BF16: the checkpoint would hold no FP8 weight")
     expected = {name: spec.hf_shape for spec in param_table(config) for name in spec.hf_names}
     headers = [SafetensorsFile(f) for f in files]
     present = {name: h for h in headers for name in h.keys()}
@@ -63,17 +72,29 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, layer_policy: LayerPol
         raise CheckpointError(f"{src}: missing tensor {missing[0]!r} ({len(missing)} missing)")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"--out {dst} exists and is not an empty folder; refusing to overwrite it")
-    final, dst = dst, dst.with_name(f".{dst.name}.partial")
-    shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir(parents=True)
     try:
-        summary = _write(src, dst, raw, headers, weight_map is not None, to_quantize, layer_policy)
+        created = make_parents(dst)
+    except OSError as e:
+        raise CheckpointError(f"--out {dst}: cannot create its folder ({e.strerror or e})") from None
+    try:
+        staging = staging_dir(dst)
+    except OSError as e:
+        remove_empty(created)
+        raise CheckpointError(f"--out {dst}: cannot write in {dst.parent} ({e.strerror or e})") from None
+    try:
+        summary = _write(src, staging, raw, headers, weight_map is not None, to_quantize, layer_policy)
     except BaseException:
-        shutil.rmtree(dst, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        remove_empty(created)
         raise
-    if final.exists():
-        final.rmdir()
-    dst.rename(final)
+    try:
+        publish_dir(staging, dst)  # removes the staging folder when it fails
+    except OSError as e:
+        remove_empty(created)
+        if isinstance(e, FileExistsError):
+            raise CheckpointError(f"--out {dst} was filled by another writer while this one ran; it is left as it "
+                                  "is and nothing was written") from None
+        raise CheckpointError(f"--out {dst}: cannot move the checkpoint into place ({e.strerror or e})") from None
     return summary
 
 
@@ -97,7 +118,7 @@ def _write(src: Path, dst: Path, raw: dict, headers: list[SafetensorsFile], inde
             else:
                 out[name] = np.array(view)
                 n_copied += 1
-        save_file(out, str(dst / h.path.name), metadata={"format": "pt"})
+        save_tensors(out, dst / h.path.name, metadata={"format": "pt"})
         new_map.update({n: h.path.name for n in out})
         del out
     if indexed:

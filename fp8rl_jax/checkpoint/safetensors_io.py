@@ -5,7 +5,8 @@ F8_E5M2, the dtype of the public Qwen3-*-FP8 checkpoints) in the numpy or flax f
 format is a u64 header length, a JSON header and raw little-endian bytes, so a reader that maps
 the file and returns zero-copy ``np.memmap`` views (ml_dtypes for bfloat16 and float8) is small,
 streams tensor by tensor, and checks each header entry against the file. Writing goes through
-``safetensors.numpy.save_file``, which handles all these dtypes.
+``safetensors.numpy.save_file``, which handles all these dtypes, into a temporary file renamed
+into place (``save_tensors``), with the mode a plain ``open()`` gives (save_file's is 0600).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
+
+from fp8rl_jax.checkpoint.atomic import atomic_path
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -95,3 +99,9 @@ class SafetensorsFile:
         count = int(np.prod(shape, dtype=np.int64))
         view = np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin, shape=(count,))
         return view.reshape(shape)
+
+
+def save_tensors(tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """Writes ``tensors`` as the safetensors file ``path``, atomically (a temporary file renamed)."""
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)

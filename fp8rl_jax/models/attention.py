@@ -3,9 +3,19 @@
 This is the reference attention every faster kernel is tested against: softmax in float32,
 ``-inf``-free masking (masked logits get the float32 minimum, so a row is never all-NaN),
 GQA by reshaping the N query heads into K groups of G. The KV caches live in ``kv_cache.py``.
+
+A full-sequence forward (training, scoring, the trainer's logprob pass) attends causally within its
+``T`` tokens through :func:`causal_attention`. Up to ``QUERY_BLOCK`` tokens that is ``dot_attention``
+with the ``[B, T, T]`` causal mask; longer sequences go ``QUERY_BLOCK`` queries at a time, each block
+building its own mask and ``[B, N, block, T]`` float32 scores under ``jax.checkpoint``, so the
+forward and the backward hold one block's scores, not ``T^2`` of them (an RL response of 20k tokens
+would need hundreds of GiB per sequence otherwise). Each row's math is ``dot_attention``'s: scores
+over every key, the same masking and softmax.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import chex
 import jax
@@ -14,6 +24,14 @@ import jax.numpy as jnp
 from fp8rl_jax.models.policy import matmul_precision
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+QUERY_BLOCK = 1024  # queries per block of causal_attention beyond this length
+
+
+class CausalMask(NamedTuple):
+    """The mask of a full-sequence forward, kept small: causal within the sequence, and ``key_valid``
+    [B, T] bool (False: a padded key no query sees; None: every key is real)."""
+
+    key_valid: jax.Array | None
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -50,6 +68,29 @@ def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=prec, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(B, T, N, H)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array | None = None, *,
+                     block: int = QUERY_BLOCK) -> jax.Array:
+    """Causal self-attention of a full sequence: q [B, T, N, H], k/v [B, T, K, H], ``key_valid`` [B, T]
+    bool or None -> [B, T, N, H]; ``block`` queries at a time when ``T > block`` (module note)."""
+    B, T, N, H = q.shape
+    if T <= block:
+        return dot_attention(q, k, v, causal_mask(T, key_valid, B))
+    n = -(-T // block)
+    blocks = jnp.pad(q, ((0, 0), (0, n * block - T), (0, 0), (0, 0))).reshape(B, n, block, N, H).swapaxes(0, 1)
+    keys = jnp.arange(T, dtype=jnp.int32)
+
+    def one(args):
+        qb, start = args
+        mask = (start + jnp.arange(block, dtype=jnp.int32))[:, None] >= keys[None, :]
+        mask = jnp.broadcast_to(mask[None], (B, block, T))
+        if key_valid is not None:
+            mask = mask & key_valid.astype(bool)[:, None, :]
+        return dot_attention(qb, k, v, mask)
+
+    out = jax.lax.map(jax.checkpoint(one), (blocks, jnp.arange(n, dtype=jnp.int32) * block))
+    return out.swapaxes(0, 1).reshape(B, n * block, N, H)[:, :T]
 
 
 def causal_mask(T: int, attention_mask: jax.Array | None, batch: int) -> jax.Array:

@@ -17,6 +17,8 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
+from fp8rl_jax.fields import check_field_types
+
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
@@ -86,6 +88,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
         for name in positive:
             if getattr(self, name) <= 0:

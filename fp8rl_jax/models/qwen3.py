@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8rl_jax.models.attention import apply_rope, causal_mask, dot_attention, rope_cos_sin
+from fp8rl_jax.models.attention import CausalMask, apply_rope, causal_attention, rope_cos_sin
 from fp8rl_jax.models.kv_cache import KVCache, PagedKVCache
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.fusion import FusedWeight, fused_ragged_dot, split_fused
@@ -124,7 +124,7 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_norm(k.reshape(B, T, K, H)), cos, sin)
         v = v.reshape(B, T, K, H)
         if cache is None:
-            out = dot_attention(q, k, v, mask)
+            out = causal_attention(q, k, v, mask.key_valid)
         else:
             out, cache = cache.attend(self.layer, q, k, v, num_new)
         return self.o_proj(out.reshape(B, T, N * H)), cache
@@ -383,7 +383,9 @@ class Qwen3(nnx.Module):
             positions = start + jnp.arange(T, dtype=jnp.int32)[None, :]
         positions = jnp.broadcast_to(positions, (B, T))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-        mask = causal_mask(T, attention_mask, B) if cache is None else None
+        mask = None
+        if cache is None:
+            mask = CausalMask(None if attention_mask is None else jnp.broadcast_to(attention_mask, (B, T)) != 0)
         num_new = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.broadcast_to(num_new, (B,))
         if cache is None:
             token_mask = None if attention_mask is None else jnp.broadcast_to(attention_mask, (B, T)) != 0

@@ -24,6 +24,8 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fp8rl_jax.fields import check_field_types
+
 
 class MeshAxis(enum.Enum):
     """The mesh axes; ``.value`` is the name used in ``PartitionSpec``s."""
@@ -54,6 +56,7 @@ class MeshConfig:
     tensor: int = 1
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for axis in MESH_AXES:
             v = getattr(self, axis.value)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):

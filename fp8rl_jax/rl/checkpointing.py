@@ -1,14 +1,32 @@
-"""Orbax checkpoints of the whole :class:`~fp8rl_jax.rl.trainer.TrainState` plus a JSON data cursor.
+"""Orbax checkpoints of the whole :class:`~fp8rl_jax.rl.trainer.TrainState` plus a JSON data cursor,
+each with a checksum that is checked when it is restored.
 
 Layout: one folder per step, ``DIR/<step>/state`` (the TrainState pytree: step, float32 master
-weights, optax state, rng; Orbax's OCDBT/Zarr array format) and ``DIR/<step>/cursor`` (a JSON
-dict: where the data stream stands, run metadata; anything ``json.dumps`` accepts).
+weights, optax state, rng; Orbax's OCDBT/Zarr array format), ``DIR/<step>/cursor`` (a JSON
+dict: where the data stream stands, run metadata; anything ``json.dumps`` accepts) and
+``DIR/<step>/checksum`` (JSON: a digest of every state leaf and of the cursor).
 
 Design notes
 ------------
 * **Atomic.** Orbax writes a step into a temporary folder (``<step>.orbax-checkpoint-tmp-*``)
   and renames it when every item is committed; a killed save leaves only the temporary folder,
   which :meth:`Checkpointer.all_steps` never lists, so ``latest_step`` is always a complete one.
+  :func:`remove_unfinished_saves` deletes such leftovers; call it only while no other process
+  writes into the folder (the run folder's lock, :mod:`fp8rl_jax.rl.run_dir`, says so).
+* **Verified.** Orbax 0.12.4 has no checksum of the data it writes (its opt-in Zarr3 layout
+  checksums only a shard's chunk index, crc32c; the default Zarr2 + zstd layout nothing), so a
+  flipped bit in an array file restores silently into a different state. Each save therefore writes a third item,
+  ``checksum``, in the same atomic commit: per state leaf two 32-bit sums of its bits (the plain
+  word sum, which changes with any single changed word, and a sum of position-mixed words,
+  murmur3's finalizer), computed on the device (a pass over the state, nothing copied to the
+  host), and a SHA-256 of the cursor's JSON. :meth:`Checkpointer.restore` recomputes both from
+  what it read and raises :class:`CheckpointError` naming the differing leaves. A checkpoint
+  without the item (written before checksums existed) restores unverified
+  (``Restored.verified`` is False).
+* **Newest intact.** :meth:`Checkpointer.restore_latest` tries the steps newest first; damaged
+  ones (unreadable, or failing the checksum) are reported in ``Restored.damaged`` and, once an
+  intact one is found, moved to ``DIR/damaged/<step>`` (kept for inspection, out of Orbax's sight,
+  so the run can write that step again). :meth:`Checkpointer.restore` with a step is strict.
 * **Keep last N.** ``CheckpointConfig.max_to_keep`` (Orbax's ``max_to_keep``) deletes the
   oldest steps after each save; None keeps everything.
 * **Exact resume.** Restoring needs a *target* state, concrete or abstract (``jax.eval_shape``
@@ -18,25 +36,37 @@ Design notes
   ``save`` returns, so donating the state to the next step right after is safe, and
   :meth:`Checkpointer.wait` (also called by ``close``) blocks until the write is committed.
 * **Clear failures.** A missing folder or step raises ``FileNotFoundError`` naming what exists;
-  an unreadable or mismatched checkpoint raises :class:`CheckpointError` naming the step folder.
+  an unreadable, damaged or mismatched checkpoint raises :class:`CheckpointError` naming the step
+  folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
+from fp8rl_jax.rl.run_dir import RunLock
 from fp8rl_jax.rl.trainer import TrainState
+
+ITEMS = ("state", "cursor", "checksum")
+CHECKSUM_FORMAT = 1
+DAMAGED = "damaged"  # DIR/damaged/<step>: checkpoints set aside by restore_latest
+UNFINISHED_MARK = ".orbax-checkpoint-tmp"  # Orbax's suffix of a step folder being written
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint exists but cannot be read into the requested state."""
+    """A checkpoint exists but cannot be read into the requested state, or fails its checksum."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +79,99 @@ class CheckpointConfig:
             raise ValueError(f"max_to_keep must be a positive int or None, got {self.max_to_keep!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointer.restore_latest` restored.
+
+    Attributes:
+      state, cursor: the checkpoint's TrainState and JSON cursor.
+      step: the step restored; ``path`` its folder.
+      verified: the checkpoint carried a checksum and matched it.
+      damaged: newer steps that could not be used, as ``(step, why, where it was moved)``.
+    """
+
+    state: TrainState
+    cursor: dict[str, Any]
+    step: int
+    path: Path
+    verified: bool
+    damaged: tuple[tuple[int, str, Path], ...] = ()
+
+
+# ------------------------------------------------------------------------------------ checksums
+
+
 def _abstract(x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` as a flat uint32 vector (a PRNG key through its key data)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32).ravel()
+    if x.dtype.itemsize >= 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32).ravel()
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer: every input bit flips about half the output bits."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+@jax.jit
+def _leaf_digests(leaves: list[jax.Array]) -> jax.Array:
+    """``[n_leaves, 2]`` uint32: per leaf, the wrapping sum of its words and of its position-mixed
+    words. Integer sums are exact and order-free, so a sharded state gives the same digest."""
+    rows = []
+    for x in leaves:
+        w = _words(x)
+        mixed = _mix(w ^ _mix(jax.lax.iota(jnp.uint32, w.size) + np.uint32(1)))
+        rows.append(jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(mixed, dtype=jnp.uint32)]))
+    return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
+
+
+def state_digest(state: Any) -> dict[str, str]:
+    """``{leaf path: "xxxxxxxx-xxxxxxxx"}``, a checksum of every leaf's bits (reduced on the device)."""
+    paths_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    sums = np.asarray(jax.device_get(_leaf_digests([x for _, x in paths_leaves])))
+    return {jax.tree_util.keystr(p): f"{int(a):08x}-{int(b):08x}" for (p, _), (a, b) in zip(paths_leaves, sums)}
+
+
+def cursor_digest(cursor: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(cursor, sort_keys=True).encode()).hexdigest()
+
+
+def _checksum(state: Any, cursor: Mapping[str, Any]) -> dict[str, Any]:
+    return {"format": CHECKSUM_FORMAT, "state": state_digest(state), "cursor": cursor_digest(cursor)}
+
+
+def _checksum_problems(saved: Any, state: Any, cursor: Mapping[str, Any]) -> list[str]:
+    if not isinstance(saved, dict) or saved.get("format") != CHECKSUM_FORMAT:
+        return [f"its checksum item is not a format-{CHECKSUM_FORMAT} checksum"]
+    problems = []
+    got, want = state_digest(state), saved.get("state")
+    if not isinstance(want, dict) or set(got) != set(want):
+        problems.append("its checksum lists other state leaves than the restored state has")
+    else:
+        bad = [k for k in got if got[k] != want[k]]
+        if bad:
+            problems.append(f"{len(bad)} state leaves differ from their checksum ({', '.join(bad[:3])}"
+                            f"{', ...' if len(bad) > 3 else ''})")
+    if cursor_digest(cursor) != saved.get("cursor"):
+        problems.append("the cursor differs from its checksum")
+    return problems
+
+
+# ------------------------------------------------------------------------------------ the checkpointer
 
 
 class Checkpointer:
@@ -67,7 +186,7 @@ class Checkpointer:
         self.config = config
         options = ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep, create=True,
                                                enable_async_checkpointing=config.async_save)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "cursor"))
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
     # ----------------------------------------------------------------------- queries
 
@@ -83,7 +202,8 @@ class Checkpointer:
     # ----------------------------------------------------------------------- save / restore
 
     def save(self, state: TrainState, cursor: Mapping[str, Any] | None = None, *, step: int | None = None) -> int:
-        """Writes ``state`` and the JSON ``cursor`` as ``step`` (default ``state.step``); returns the step."""
+        """Writes ``state``, the JSON ``cursor`` and their checksum as ``step`` (default
+        ``state.step``); returns the step."""
         if not isinstance(state, TrainState):
             raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
         cursor = {} if cursor is None else dict(cursor)
@@ -94,7 +214,8 @@ class Checkpointer:
         step = int(jax.device_get(state.step)) if step is None else int(step)
         if step in self._manager.all_steps():
             raise FileExistsError(f"checkpoint step {step} already exists in {self.directory}")
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), cursor=ocp.args.JsonSave(cursor))
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), cursor=ocp.args.JsonSave(cursor),
+                                  checksum=ocp.args.JsonSave(_checksum(state, cursor)))
         self._manager.save(step, args=args, force=True)
         if not self.config.async_save:
             self._manager.wait_until_finished()
@@ -102,7 +223,31 @@ class Checkpointer:
 
     def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
         """``(state, cursor)`` of ``step`` (default: the latest), shaped like ``target`` (a concrete or
-        abstract TrainState built with the same model config and optimizer)."""
+        abstract TrainState built with the same model config and optimizer). A damaged checkpoint
+        raises :class:`CheckpointError` (:meth:`restore_latest` falls back to an older one)."""
+        state, cursor, _ = self._restore(target, step)
+        return state, cursor
+
+    def restore_latest(self, target: TrainState) -> Restored:
+        """The newest intact checkpoint, shaped like ``target``. Newer damaged steps are listed in
+        ``Restored.damaged`` and moved to ``DIR/damaged/``; when no step is intact, nothing moves and
+        :class:`CheckpointError` lists every step's problem."""
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        problems: list[tuple[int, str]] = []
+        for step in reversed(steps):
+            try:
+                state, cursor, verified = self._restore(target, step)
+            except CheckpointError as e:
+                problems.append((step, str(e)))
+                continue
+            damaged = tuple((s, why, self._set_aside(s)) for s, why in problems)
+            return Restored(state, cursor, step, self.directory / str(step), verified, damaged)
+        raise CheckpointError(f"no intact checkpoint in {self.directory}: " +
+                              "; ".join(f"step {s}: {why}" for s, why in problems))
+
+    def _restore(self, target: TrainState, step: int | None) -> tuple[TrainState, dict[str, Any], bool]:
         if not isinstance(target, TrainState):
             raise TypeError(f"target must be a (possibly abstract) TrainState, got {type(target).__name__}")
         self.wait()
@@ -114,15 +259,18 @@ class Checkpointer:
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available steps: {steps}")
         path = self.directory / str(step)
         abstract = jax.tree.map(_abstract, target)
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), cursor=ocp.args.JsonRestore())
+        verified = (path / "checksum").is_dir()
+        items = dict(state=ocp.args.StandardRestore(abstract), cursor=ocp.args.JsonRestore())
+        if verified:
+            items["checksum"] = ocp.args.JsonRestore()
         try:
-            restored = self._manager.restore(step, args=args)
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # Orbax raises many types (ValueError, KeyError, tensorstore errors...)
             raise CheckpointError(f"checkpoint {path} could not be restored into the target TrainState "
                                   f"(corrupted, incomplete, or saved for another model/optimizer): "
                                   f"{type(e).__name__}: {e}") from e
         state, cursor = restored.state, restored.cursor
-        if cursor is None:
+        if not isinstance(cursor, dict):
             raise CheckpointError(f"checkpoint {path} has no readable cursor item")
         got = jax.tree.structure(state)
         if got != jax.tree.structure(target):
@@ -131,7 +279,21 @@ class Checkpointer:
             if a.shape != t.shape or a.dtype != t.dtype:
                 raise CheckpointError(f"checkpoint {path} holds {a.dtype}{list(a.shape)} where the target has "
                                       f"{t.dtype}{list(t.shape)}")
-        return state, dict(cursor)
+        if verified:
+            problems = _checksum_problems(restored.checksum, state, cursor)
+            if problems:
+                raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
+        return state, dict(cursor), verified
+
+    def _set_aside(self, step: int) -> Path:
+        dest = self.directory / DAMAGED / str(step)
+        n = 1
+        while dest.exists():
+            dest, n = self.directory / DAMAGED / f"{step}.{n}", n + 1
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        (self.directory / str(step)).rename(dest)
+        self._manager.reload()
+        return dest
 
     # ----------------------------------------------------------------------- lifetime
 
@@ -154,6 +316,40 @@ def latest_step(directory: str | Path) -> int | None:
     directory = Path(directory).absolute()
     if not directory.is_dir():
         return None
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    with ocp.CheckpointManager(directory, options=options, item_names=("state", "cursor")) as manager:
-        return manager.latest_step()
+    absl = logging.getLogger("absl")  # Orbax warns that a read-only manager ignores save options
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+        with ocp.CheckpointManager(directory, options=options, item_names=ITEMS) as manager:
+            return manager.latest_step()
+    finally:
+        absl.setLevel(level)
+
+
+def remove_unfinished_saves(directory: str | Path) -> list[Path]:
+    """Deletes the temporary folders that killed saves left under ``directory``; returns them.
+    Only for a folder no other process is saving into."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        return []
+    removed = sorted(p for p in directory.iterdir() if UNFINISHED_MARK in p.name)
+    for p in removed:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    return removed
+
+
+def open_run_notes(lock: RunLock, directory: str | Path) -> list[str]:
+    """What a run starting in its folder has to say: the stale lock it took over, and the unfinished saves
+    under the checkpoint ``directory`` it removed (:func:`remove_unfinished_saves`)."""
+    notes = []
+    if lock.replaced is not None:
+        notes.append(f"took over {lock.path}, left by a run that is gone ({lock.replaced.describe()})")
+    removed = remove_unfinished_saves(directory)
+    if removed:
+        notes.append(f"removed {len(removed)} unfinished checkpoint save(s) in {directory}: "
+                     f"{', '.join(p.name for p in removed)}")
+    return notes

@@ -13,6 +13,7 @@
     precision  PrecisionConfig: rollout FP8 mode, FP8 KV calibration side, FP8 training
     data       DataConfig: prompts per step, steps, evaluation cadence, seeds
     logging    LoggingConfig: output folder, JSONL / TensorBoard / plot, progress bars
+    parallel   ParallelConfig: the device mesh of the trainer and the generator's replicas
 
 Presets are module constants in ``configs/``; variants come from ``dataclasses.replace`` or from
 ``override(cfg, ["rollout.temperature=0.7", "rollout.engine.swap_space_gib=4"])``, which parses
@@ -42,9 +43,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fp8rl_jax.fields import check_field_types
 from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.policy import DensePolicy, Fp8Mode, MatmulPolicy
 from fp8rl_jax.models.qwen3 import moe_layers
+from fp8rl_jax.parallel.mesh import MeshConfig
 from fp8rl_jax.quant.training import Fp8TrainPolicy
 from fp8rl_jax.rl.algos import AdvantageEstimator
 from fp8rl_jax.rl.trainer import ComputeDtype, LossConfig, OptimizerConfig, TrainerConfig
@@ -97,8 +100,9 @@ class RolloutConfig:
     max_new_tokens: int = 1024
     # free the generator's KV pool and weight copy after each rollout, for the trainer's step
     # (Generator.sleep(weights=True)); the weight sync hands new weights over and the next rollout
-    # allocates the pool again (same shape: no recompile)
-    sleep_while_training: bool = False
+    # allocates the pool again (same shape: no recompile). On by default: trainer and generator
+    # share the devices, and neither needs the other's memory while it runs
+    sleep_while_training: bool = True
     backend: RolloutBackend = RolloutBackend.JAX
     engine: EngineConfig = DEFAULT_ENGINE
     vllm_memory: float = 0.45  # backend vllm: vLLM's gpu_memory_utilization (weights, activations, KV)
@@ -106,6 +110,7 @@ class RolloutConfig:
     vllm_enforce_eager: bool = False  # backend vllm: no CUDA graphs (faster start, slower decode)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("n_samples", "max_new_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -156,6 +161,7 @@ class AlgorithmConfig:
     whiten_advantages: bool = True  # GAE: (A - mean) / std over the batch's response tokens
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not isinstance(self.estimator, AdvantageEstimator):
             raise ConfigError(f"algorithm.estimator must be an AdvantageEstimator, got {self.estimator!r}")
         for name in ("gamma", "lam"):
@@ -180,6 +186,9 @@ class TrainConfig:
     remat: bool = False
     logits_chunk: int | None = 1024  # LM head + log-softmax this many positions at a time (trainer.head_logprobs)
 
+    def __post_init__(self) -> None:
+        check_field_types(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
@@ -189,6 +198,9 @@ class PrecisionConfig:
     rollout: Fp8Mode = Fp8Mode.ALL
     kv_calibration: KvCalibration = KvCalibration.INFERENCE
     train_fp8: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +217,7 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("prompts_per_step", "steps", "eval_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -226,9 +239,63 @@ class LoggingConfig:
     keep_checkpoints: int = 2
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ConfigError(f"logging.checkpoint_every must be >= 0 and logging.keep_checkpoints >= 1, got "
                               f"{self.checkpoint_every} and {self.keep_checkpoints}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How a run spreads over its devices (every local device; every host's under ``jax.distributed``).
+
+    The trainer's state lives on a ``data x fsdp x expert x tensor`` mesh (``parallel.mesh``) with the
+    sharding rules its sizes call for (:meth:`mesh_config`); the generator runs as engine replicas
+    over the same devices, each ``generator_tensor`` devices wide, and sleeps while the trainer
+    steps (``rollout.sleep_while_training``).
+
+    Attributes:
+      data, expert, tensor: mesh axis sizes (``parallel.mesh.MeshConfig``).
+      fsdp: the FSDP axis size; 0 (the default): every device the other axes leave, so a run uses
+        all its devices with no flag.
+      generator_tensor: devices per engine replica (tensor parallel inside a replica).
+    """
+
+    data: int = 1
+    fsdp: int = 0
+    expert: int = 1
+    tensor: int = 1
+    generator_tensor: int = 1
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in ("data", "expert", "tensor", "generator_tensor"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.fsdp < 0:
+            raise ConfigError(f"parallel.fsdp must be >= 0 (0: the devices the other axes leave), got {self.fsdp!r}")
+
+    def mesh_config(self, devices: int) -> MeshConfig:
+        """The trainer's mesh over ``devices`` devices; a ``ConfigError`` when the sizes do not multiply to it."""
+        fixed = self.data * self.expert * self.tensor * (self.fsdp or 1)
+        if self.fsdp == 0 and devices % fixed == 0:
+            fsdp = devices // fixed
+        elif fixed == devices:
+            fsdp = self.fsdp or 1
+        else:
+            raise ConfigError(f"parallel: data {self.data} x fsdp {self.fsdp or 'auto'} x expert {self.expert} x tensor "
+                              f"{self.tensor} does not fit {devices} devices; set parallel.* so that the product is "
+                              f"{devices} (parallel.fsdp=0 fills in the rest)")
+        if devices % self.generator_tensor:
+            raise ConfigError(f"parallel.generator_tensor = {self.generator_tensor} does not divide the {devices} devices")
+        return MeshConfig(data=self.data, fsdp=fsdp, expert=self.expert, tensor=self.tensor)
+
+    def generator_replicas(self, devices: int) -> int:
+        """How many engine replicas the generator runs on ``devices`` devices (``generator_tensor`` each)."""
+        if devices % self.generator_tensor:
+            raise ConfigError(f"parallel.generator_tensor = {self.generator_tensor} does not divide the {devices} "
+                              "devices")
+        return devices // self.generator_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,9 +310,11 @@ class RLConfig:
     precision: PrecisionConfig = PrecisionConfig()
     data: DataConfig = DataConfig()
     logging: LoggingConfig = LoggingConfig()
+    parallel: ParallelConfig = ParallelConfig()
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         engine = self.rollout.engine
         if engine.max_seq_len > self.model.max_position_embeddings:
             raise ConfigError(f"rollout.engine.max_seq_len = {engine.max_seq_len} exceeds the model's "

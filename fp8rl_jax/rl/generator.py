@@ -3,7 +3,9 @@
 Entry points call ``apply_generator_environment(cfg)`` before JAX touches the GPU (the vLLM backend splits
 the device's memory between JAX and vLLM, and JAX reads its share once, when its GPU backend starts),
 then ``make_generator(cfg, model_config, params, workdir)`` once the trainer's params exist. Either
-implements ``fp8rl_jax.rollout.base.Generator``, the only interface the loop uses.
+implements ``fp8rl_jax.rollout.base.Generator``, the only interface the loop uses. On several devices the
+JAX engine runs as data-parallel replicas (``fp8rl_jax.rollout.replicas.EngineReplicas``), each
+``parallel.generator_tensor`` devices wide; vLLM runs on one GPU.
 
 vLLM starts from a Hugging Face folder written under ``workdir`` from the initial params, in the
 rollout's precision: block FP8 (``fp8rl quantize``'s format, which the per-step updates then
@@ -17,6 +19,7 @@ start, so inference-side KV calibration has weights to measure from the first ro
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +28,13 @@ from jax._src import xla_bridge
 
 from fp8rl_jax.checkpoint import save_checkpoint
 from fp8rl_jax.models.config import ModelConfig
+from fp8rl_jax.parallel.mesh import MeshConfig, make_mesh
 from fp8rl_jax.quant.policy import quantize_params
-from fp8rl_jax.rl.config import RLConfig, RolloutBackend
+from fp8rl_jax.rl.config import ConfigError, RLConfig, RolloutBackend
 from fp8rl_jax.rollout import vllm_backend as vb
 from fp8rl_jax.rollout.base import Generator
 from fp8rl_jax.rollout.engine import JaxEngine
+from fp8rl_jax.rollout.replicas import EngineReplicas
 
 
 def _vllm_config(cfg: RLConfig, model_path: str = "") -> vb.VLLMConfig:
@@ -66,11 +71,22 @@ def apply_generator_environment(cfg: RLConfig) -> None:
     os.environ.update(env)
 
 
-def _jax_generator(cfg: RLConfig, model_config: ModelConfig, params: Any, workdir: Path) -> Generator:
-    return JaxEngine(model_config, params, cfg.engine_config())
+def _jax_generator(cfg: RLConfig, model_config: ModelConfig, params: Any, workdir: Path,
+                   devices: Sequence[jax.Device]) -> Generator:
+    if len(devices) == 1:
+        return JaxEngine(model_config, params, cfg.engine_config())
+    width = cfg.parallel.generator_tensor
+    cfg.parallel.generator_replicas(len(devices))  # checks that the groups divide the devices
+    groups = [devices[i:i + width] for i in range(0, len(devices), width)]
+    return EngineReplicas.build(model_config, params, cfg.engine_config(), groups,
+                                make_mesh=lambda g: make_mesh(MeshConfig(tensor=len(g)), g))
 
 
-def _vllm_generator(cfg: RLConfig, model_config: ModelConfig, params: Any, workdir: Path) -> Generator:
+def _vllm_generator(cfg: RLConfig, model_config: ModelConfig, params: Any, workdir: Path,
+                    devices: Sequence[jax.Device]) -> Generator:
+    if len(devices) != 1:
+        raise ConfigError(f"rollout.backend=vllm runs on one GPU; this run has {len(devices)} devices: use the JAX "
+                          "engine (rollout.backend=jax), or make one device visible (CUDA_VISIBLE_DEVICES)")
     folder = workdir / "vllm_start"
     vcfg = _vllm_config(cfg, str(folder))
     start = quantize_params(params, model_config, vcfg.layer_policy) if cfg.precision.rollout.fp8_weights else params
@@ -80,14 +96,18 @@ def _vllm_generator(cfg: RLConfig, model_config: ModelConfig, params: Any, workd
     return gen
 
 
-# rollout.backend -> the builder of its generator: (cfg, model_config, params in the compute dtype, workdir)
+# rollout.backend -> the builder of its generator: (cfg, model_config, params in the compute dtype, workdir,
+# the run's devices)
 GENERATORS = {RolloutBackend.JAX: _jax_generator, RolloutBackend.VLLM: _vllm_generator}
 
 
-def make_generator(cfg: RLConfig, model_config: ModelConfig, params: Any, workdir: Path | str) -> Generator:
+def make_generator(cfg: RLConfig, model_config: ModelConfig, params: Any, workdir: Path | str,
+                   devices: Sequence[jax.Device] | None = None) -> Generator:
     """The generator of ``cfg.rollout.backend`` (``GENERATORS``) holding ``params`` (the trainer's,
-    any float dtype: cast to the compute dtype here)."""
+    any float dtype and layout: cast to the compute dtype here) on ``devices`` (default: the first
+    device; several: engine replicas)."""
     dtype = cfg.trainer.compute_dtype.value
     cast = jax.tree.map(lambda p: p.astype(dtype) if jax.numpy.issubdtype(p.dtype, jax.numpy.floating) else p,
                         params)
-    return GENERATORS[cfg.rollout.backend](cfg, model_config, cast, Path(workdir))
+    devices = list(devices) if devices is not None else jax.devices()[:1]
+    return GENERATORS[cfg.rollout.backend](cfg, model_config, cast, Path(workdir), devices)

@@ -26,6 +26,11 @@ FSDP XLA re-lays out some weights inside the micro-batch ``scan`` by a full gath
 full rematerialization" in its log; correct, not efficient). The MoE sort / ``ragged_dot`` is also
 left to propagation (tokens gathered to the expert shards, not dispatched all-to-all). Both need
 constraints or ``shard_map`` inside the model and the trainer.
+
+An RL run (``RLConfig.parallel``) takes everything from :func:`make_mesh_trainer`: the rules follow the
+mesh's sizes (:func:`mesh_rules`), the trainer-logprob pass runs on the same layout as the update, a
+fresh state is built directly in that layout (:func:`init_sharded_state`: no device ever holds the whole
+float32 state) and a checkpoint restores into it shard by shard (:func:`abstract_sharded_state`).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp8rl_jax.models import MatmulPolicy, ModelConfig
 from fp8rl_jax.models.qwen3 import abstract_params
-from fp8rl_jax.parallel.mesh import MeshAxis, batch_sharding, batch_shards, mesh_sizes
+from fp8rl_jax.parallel.mesh import MeshAxis, MeshConfig, batch_sharding, batch_shards, mesh_sizes
 from fp8rl_jax.parallel.rules import (
     Fallback,
     ShardingPreset,
@@ -59,6 +64,7 @@ from fp8rl_jax.rl.trainer import (
     init_train_state,
     make_optimizer,
     train_step,
+    trainer_logprobs,
 )
 
 
@@ -137,3 +143,75 @@ def make_sharded_train_step(model_config: ModelConfig, policy: MatmulPolicy, tra
     jitted = jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, NamedSharding(mesh, P())),
                      donate_argnums=0)
     return ShardedTrainStep(jitted, mesh, state_sh, batch_sh, fallbacks)
+
+
+def mesh_rules(mesh: Mesh | MeshConfig) -> ShardingRules:
+    """The trainer's sharding rules for a mesh's sizes: FSDP over ``fsdp``, Megatron tensor parallelism
+    over ``tensor``, experts over ``expert`` (each when that axis has more than one device; ``data``
+    only replicates)."""
+    sizes = mesh_sizes(mesh)
+    rules = ShardingRules()
+    for axis, preset in ((MeshAxis.FSDP, ShardingPreset.FSDP), (MeshAxis.TENSOR, ShardingPreset.TENSOR_PARALLEL),
+                         (MeshAxis.EXPERT, ShardingPreset.EXPERT_PARALLEL)):
+        if sizes[axis] > 1:
+            rules = rules | preset.rules
+    return rules
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLogprobFn:
+    """The jitted trainer-logprob pass on a mesh: ``(params, tokens, routing=None) -> [B, T]`` with the
+    batch split on ``B`` like the train step's and the params as the train state holds them."""
+
+    jitted: Any
+    batch_sharding: NamedSharding
+
+    def __call__(self, params: Any, tokens: jax.Array, routing: jax.Array | None = None) -> jax.Array:
+        tokens = jax.device_put(tokens, self.batch_sharding)
+        if routing is None:
+            return self.jitted(params, tokens)
+        return self.jitted(params, tokens, routing=jax.device_put(routing, self.batch_sharding))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshTrainer:
+    """What the RL loop needs from the trainer on a mesh: the optimizer, the sharded train step, the
+    sharded logprob pass, and ``place`` for a fresh or restored state."""
+
+    mesh: Mesh
+    rules: ShardingRules
+    optimizer: optax.GradientTransformation
+    train_step: ShardedTrainStep
+    logprob_fn: ShardedLogprobFn
+
+    def place(self, state: TrainState) -> TrainState:
+        """``state`` laid out on the mesh (a copy; the input stays valid)."""
+        return jax.device_put(state, self.train_step.state_shardings)
+
+
+def make_mesh_trainer(model_config: ModelConfig, policy: MatmulPolicy, trainer_config: TrainerConfig, mesh: Mesh,
+                      *, strict: bool = False) -> MeshTrainer:
+    """The train step and the logprob pass of ``trainer_config`` on ``mesh``, with :func:`mesh_rules`."""
+    rules = mesh_rules(mesh)
+    optimizer = make_optimizer(trainer_config.optimizer)
+    step = make_sharded_train_step(model_config, policy, trainer_config, optimizer, mesh, rules, strict=strict)
+    logprobs = jax.jit(functools.partial(trainer_logprobs, model_config=model_config, policy=policy,
+                                         trainer_config=trainer_config))
+    return MeshTrainer(mesh, rules, optimizer, step, ShardedLogprobFn(logprobs, step.batch_sharding))
+
+
+def init_sharded_state(trainer: MeshTrainer, params: Any, key: jax.Array) -> TrainState:
+    """A fresh train state of ``params`` (any layout, e.g. BF16 on one device) built directly in the
+    mesh layout: the float32 masters and the optimizer moments never exist whole on one device."""
+    init = jax.jit(lambda p, k: init_train_state(p, trainer.optimizer, k),
+                   out_shardings=trainer.train_step.state_shardings)
+    return init(params, key)
+
+
+def abstract_sharded_state(trainer: MeshTrainer, model_config: ModelConfig, key: jax.Array) -> TrainState:
+    """The train state's shapes, dtypes and mesh shardings (``jax.ShapeDtypeStruct``s): the target a
+    checkpoint restores into shard by shard."""
+    shapes = jax.eval_shape(lambda p: init_train_state(p, trainer.optimizer, key),
+                            abstract_params(model_config, jnp.float32))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                        trainer.train_step.state_shardings)

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 from typing import Any
 
+from fp8rl_jax.fields import check_field_types
 from fp8rl_jax.rl.algos import Correction, KLEstimator, LossAgg
 
 
@@ -48,6 +49,7 @@ class OptimizerConfig:
     max_grad_norm: float | None = 1.0  # global-norm clipping; None disables it
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _check_enum("schedule", self.schedule, Schedule)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
@@ -99,6 +101,7 @@ class LossConfig:
     value_clip: float | None = 0.5  # eps_v of the clipped value loss (verl's cliprange_value); None: unclipped
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _check_enum("agg", self.agg, LossAgg)
         _check_enum("kl_estimator", self.kl_estimator, KLEstimator)
         _check_enum("reject_kl_estimator", self.reject_kl_estimator, KLEstimator)
@@ -142,6 +145,7 @@ class TrainerConfig:
     logits_chunk: int | None = 1024  # LM head + log-softmax over this many positions at a time (None: all)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _check_enum("compute_dtype", self.compute_dtype, ComputeDtype)
         if self.logits_chunk is not None and not (isinstance(self.logits_chunk, int) and self.logits_chunk >= 1):
             raise ValueError(f"logits_chunk must be a positive int or None, got {self.logits_chunk!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from fp8rl_jax.fields import check_field_types
 from fp8rl_jax.models.policy import Fp8Mode
 from fp8rl_jax.quant.policy import GemmBackend
 from fp8rl_jax.rollout.sampling import Draw
@@ -93,6 +94,7 @@ class EngineConfig:
     swap_space_gib: float = 0.0
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("max_slots", "page_size", "max_seq_len", "steps_per_call", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

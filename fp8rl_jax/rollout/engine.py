@@ -24,7 +24,8 @@ MoE routing replay (``record_routing``): the experts chosen at every position th
 model are recorded per request; a recompute after preemption keeps the first recording and counts its
 disagreements. Tensor parallelism (``mesh`` with a ``tensor`` axis): parameters take the
 ``TENSOR_PARALLEL`` preset, the KV pools split over kv heads, the same programs run partitioned by XLA
-and the host loop is unchanged.
+and the host loop is unchanged. Without a mesh the engine lives on ``device`` (default: the first), so
+several engines can share a host as data-parallel replicas (`fp8rl_jax.rollout.replicas`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fp8rl_jax.models import ModelConfig, PagedKVCache
@@ -82,10 +82,13 @@ class JaxEngine:
     """
 
     def __init__(self, model_config: ModelConfig, params: Any, config: EngineConfig = EngineConfig(), *,
-                 mesh: jax.sharding.Mesh | None = None, asleep: bool = False):
+                 mesh: jax.sharding.Mesh | None = None, device: jax.Device | None = None, asleep: bool = False):
+        if mesh is not None and device is not None:
+            raise ValueError("JaxEngine takes a mesh (tensor parallel) or one device, not both")
         self.model_config = model_config
         self.config = config
         self.mesh = mesh
+        self.device = device
         self.heads = head_sharding(mesh, model_config) if mesh is not None else None
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
         self.weight_sync = WeightSync(model_config, config, mesh)
@@ -101,8 +104,9 @@ class JaxEngine:
         self._sched: Scheduler | None = None  # of the last generate
         self.update_weights(params)  # first: a fractional KV budget is taken from what the weights leave
         self.runner = ModelRunner(model_config, generator_policy(config, mesh, self.params), self.max_seq_len,
-                                  record_routing=config.record_routing, draw=config.sampling_draw, mesh=mesh)
-        self.pool = KvPool(model_config, config, self.max_seq_len, mesh, self.heads)
+                                  record_routing=config.record_routing, draw=config.sampling_draw, mesh=mesh,
+                                  device=device)
+        self.pool = KvPool(model_config, config, self.max_seq_len, mesh, self.heads, device)
         if not asleep:
             self.wake()
 
@@ -182,6 +186,8 @@ class JaxEngine:
         mesh, the params are first resharded into the generator's layout (``last_sync`` times it)."""
         if self.weight_sync.replaces:
             self.params = None  # the previous copy goes before the new one is built
+        if self.device is not None:
+            params = jax.device_put(params, self.device)
         self.params = self.weight_sync(params)
         self.kv_scales_fresh = False
 
@@ -285,7 +291,7 @@ class JaxEngine:
             n = self.config.kv_calibration_prompts
             for T in (b for b in buckets if b <= self._bucket(top)):
                 done(f"kv calibration {n}x{T}",
-                     self._calibrate(jnp.zeros((n, T), jnp.int32), jnp.zeros((n,), jnp.int32)))
+                     self._calibrate(*put((np.zeros((n, T), np.int32), np.zeros((n,), np.int32)))))
         return time.perf_counter() - t0
 
     def _calibrate(self, tokens: jax.Array, lengths: jax.Array) -> tuple:
@@ -298,11 +304,17 @@ class JaxEngine:
         if self.config.kv_calibration is KvCalibration.TRAINER:
             raise RuntimeError("FP8 KV scales are stale after update_weights: with trainer-side calibration the "
                                "trainer must call calibrate_kv_scales and set_kv_scales first")
-        prompts = [r.prompt for r in requests[: self.config.kv_calibration_prompts]]
+        self.set_kv_scales(*self.measure_kv_scales([r.prompt for r in requests]))
+
+    def measure_kv_scales(self, prompts: Sequence[Sequence[int]]) -> tuple[jax.Array, jax.Array]:
+        """Inference-side FP8 KV scales ``(k, v)`` ([L] float32 each) of the current weights, measured on
+        the first ``kv_calibration_prompts`` of ``prompts`` (what ``generate`` does when they are stale)."""
+        self._need_weights()
+        prompts = list(prompts[: self.config.kv_calibration_prompts])
         # one compiled calibration per prompt bucket, whatever the batch size
         tokens, lengths = calibration_batch(prompts, self.config.kv_calibration_prompts,
                                             self._bucket(max(len(p) for p in prompts)))
-        self.set_kv_scales(*self._calibrate(jnp.asarray(tokens), jnp.asarray(lengths)))
+        return self._calibrate(*self.runner.put((tokens, lengths)))
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[SamplingConfig]
                  ) -> RolloutBatch:

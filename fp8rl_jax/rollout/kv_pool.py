@@ -89,8 +89,10 @@ class KvPool:
     """The paged KV cache of one engine (module note). ``cache`` is None while asleep."""
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, max_seq_len: int,
-                 mesh: jax.sharding.Mesh | None = None, heads: HeadSharding | None = None):
+                 mesh: jax.sharding.Mesh | None = None, heads: HeadSharding | None = None,
+                 device: jax.Device | None = None):
         self.model_config = model_config
+        self.device = device
         self.config = config
         self.mesh = mesh
         self.heads = heads
@@ -111,8 +113,8 @@ class KvPool:
 
     @property
     def devices(self) -> list:
-        """The devices the pool lives on (the mesh's, or the default device)."""
-        return list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
+        """The devices the pool lives on (the mesh's, or its one device: by default the first)."""
+        return list(self.mesh.devices.flat) if self.mesh is not None else [self.device or jax.devices()[0]]
 
     def budget_bytes(self) -> float:
         """Per-device KV bytes: ``kv_budget_gib``, or ``kv_budget_fraction`` of the memory the allocator can
@@ -126,7 +128,8 @@ class KvPool:
             stats = d.memory_stats() if hasattr(d, "memory_stats") else None
             if not stats or "bytes_limit" not in stats:
                 raise ValueError(f"EngineConfig.kv_budget_fraction needs a backend that reports device memory "
-                                 f"({d.platform} does not); set kv_budget_gib instead")
+                                 f"({d.platform} does not); size the pool in GiB instead: kv_budget_fraction=0 and "
+                                 f"kv_budget_gib=...")
             free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
         return frac * min(free)
 
@@ -136,7 +139,7 @@ class KvPool:
         return self.num_pages * self.bytes_per_page
 
     def put(self, tree: Any) -> Any:
-        return place(tree, self.mesh)
+        return place(tree, self.mesh, self.device)
 
     def wake(self) -> None:
         """Allocates the pool (a no-op when allocated). Raises a ``RuntimeError`` that names its size when the
@@ -148,7 +151,7 @@ class KvPool:
             # one device: committed to it, like every input the programs take (`programs.place`)
             cache = PagedKVCache.init(c.num_layers, self.num_pages, cfg.page_size, c.num_kv_heads, c.head_dim,
                                       cfg.max_slots, self.max_pages, self.kv_dtype, kernels=self._slept["kernels"],
-                                      heads=self.heads, device=jax.devices()[0] if self.heads is None else None)
+                                      heads=self.heads, device=(self.device or jax.devices()[0]) if self.heads is None else None)
         except Exception as e:  # XLA's resource-exhausted error: say what did not fit
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise

@@ -143,13 +143,13 @@ def decode_program():
     return decode_xla_split_k_jit if os.environ.get("FP8RL_XLA_SPLIT_K", "0") == "1" else decode_jit
 
 
-def place(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
-    """Host values (NumPy or jnp arrays, pytrees of them) as the programs take them: committed to the default
-    device, or replicated over ``mesh``. jit's cache keys on an argument's placement and commitment; the
+def place(tree: Any, mesh: jax.sharding.Mesh | None, device: jax.Device | None = None) -> Any:
+    """Host values (NumPy or jnp arrays, pytrees of them) as the programs take them: committed to ``device``
+    (default: the first device), or replicated over ``mesh``. jit's cache keys on an argument's placement and commitment; the
     programs' outputs (the cache, swap copies back) are committed, so inputs placed the same way keep the
     first call's signature and each program compiles once."""
     if mesh is None:
-        return jax.device_put(tree, jax.devices()[0])
+        return jax.device_put(tree, device or jax.devices()[0])
     return jax.device_put(tree, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
@@ -159,13 +159,14 @@ class ModelRunner:
     e.g. to compare kernels)."""
 
     def __init__(self, model_config: ModelConfig, policy: Any, max_seq_len: int, *, record_routing: bool,
-                 draw: Draw, mesh: jax.sharding.Mesh | None = None):
+                 draw: Draw, mesh: jax.sharding.Mesh | None = None, device: jax.Device | None = None):
         self.model_config = model_config
         self.policy = policy
         self.max_seq_len = max_seq_len
         self.record_routing = record_routing
         self.draw = draw
         self.mesh = mesh
+        self.device = device
 
     @property
     def static(self) -> dict:
@@ -175,7 +176,7 @@ class ModelRunner:
 
     def put(self, tree: Any) -> Any:
         """``tree`` placed as the programs take their inputs (`place`)."""
-        return place(tree, self.mesh)
+        return place(tree, self.mesh, self.device)
 
     def row_inputs(self, reqs: Sequence[Request | None]) -> tuple:
         """A call's per-row ``(sampling, stops, remaining)``, placed (`scheduler.row_arrays`)."""

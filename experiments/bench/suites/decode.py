@@ -39,6 +39,7 @@ from experiments.bench.ceiling import ceiling_record, hbm_copy_bps
 from fp8rl_jax.environment import GpuMonitor
 from fp8rl_jax.models import Fp8Mode, init_params
 from fp8rl_jax.quant.policy import GemmBackend, describe_cublaslt_algos
+from fp8rl_jax.rl.memory import check_fits, device_bytes_limit, generator_weight_bytes, kv_page_bytes
 from fp8rl_jax.rollout import programs
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig
@@ -342,7 +343,34 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace-out", type=Path, default=None, help="also keep each traced call's trace.json.gz here")
 
 
+def check_memory(args: argparse.Namespace, limit: int | None = None) -> None:
+    """Before anything is allocated: a ``ValueError`` (one line) when a mode's weights, the engine's own copy
+    (FP8, or fused on one device) and its KV pool exceed ``limit`` bytes (default: the device's allocator
+    limit; none on the CPU). The pool is sized as `run_mode` / `run_prefill` size it."""
+    limit = device_bytes_limit() if limit is None else limit
+    cfg, dtype, ps = model_config(args), jnp.dtype(args.dtype), 16
+    weights = generator_weight_bytes(cfg, False, dtype)
+    fused = args.fuse_projections != "off"  # one device: auto fuses
+    for m in args.modes:
+        mode = Fp8Mode(m)
+        if args.prefill > 0:
+            rows, max_seq = args.prefill, args.prompt_len + args.steps + ps
+            pages = rows * -(-max_seq // ps) + 8
+        else:
+            rows, max_seq = args.batch, args.context + args.steps * ((3 if args.hold else args.repeats + 2) + 1) + ps
+            pages = rows * -(-max_seq // ps) + 8
+        copy = generator_weight_bytes(cfg, True, dtype) if mode.fp8_weights else weights if fused else 0
+        kv = pages * kv_page_bytes(cfg, ps, mode.fp8_kv, dtype)
+        check_fits({"weights": weights, "engine weight copy": copy, "KV pool": kv}, limit,
+                   what=f"decode ({mode.value}, {rows} sequences x {max_seq} tokens, {args.preset})",
+                   fixes={"KV pool": "lower --batch or --context (--prefill / --prompt-len), or an FP8 KV mode "
+                                     "(--modes kv all) for half the bytes",
+                          "weights": "fewer --layers or a smaller --preset",
+                          "engine weight copy": "--fuse-projections off, fewer --layers or a smaller --preset"})
+
+
 def run(args: argparse.Namespace) -> dict:
+    check_memory(args)
     cfg = model_config(args)
     params = init_params(cfg, jax.random.key(args.seed), jnp.dtype(args.dtype))
     results = {"args": {k: str(v) for k, v in vars(args).items()}, **ceiling_record(),

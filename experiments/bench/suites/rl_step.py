@@ -14,6 +14,11 @@ work; with random weights and Qwen3's 152k vocabulary EOS almost never comes, so
 to ``max_new`` tokens (as the long responses of reasoning RL do).
 
     python -m experiments.bench rl_step --preset qwen3_1_7b --arms all:bf16 none:bf16
+    python -m experiments.bench rl_step --preset qwen3_8b --devices 0 --prompts 32 --samples 16   # every GPU
+
+On several devices (``--devices``) the step runs as an RL run does (``RLConfig.parallel``): the train
+state sharded FSDP-style (``--tensor`` adds tensor parallelism), one engine replica per
+``--generator-tensor`` devices.
 
 An arm is ``ROLLOUT:TRAIN``: rollout precision (none | w8a8 | kv | all) and trainer GEMMs
 (bf16, or fp8 for end-to-end FP8 training).
@@ -35,10 +40,13 @@ import numpy as np
 from configs.models import PRESETS
 from configs.rl import QUICKSTART
 from fp8rl_jax.models import Fp8Mode, ModelConfig, count_params, init_params
+from fp8rl_jax.parallel.mesh import make_mesh
 from fp8rl_jax.rl import config as rlconfig
+from fp8rl_jax.rl.generator import make_generator
 from fp8rl_jax.rl.loop import MetricsLogger, Task, rl_step
+from fp8rl_jax.rl.memory import TERMS, check_fits, device_bytes_limit, plan_memory
+from fp8rl_jax.rl.sharded import init_sharded_state, make_mesh_trainer
 from fp8rl_jax.rl.trainer import init_train_state, make_logprob_fn, make_optimizer, make_train_step
-from fp8rl_jax.rollout.engine import JaxEngine
 from fp8rl_jax.tasks import Example
 
 STAGES = ("time/rollout_s", "time/trainer_logprobs_s", "time/update_s", "time/weight_sync_s")
@@ -81,6 +89,9 @@ class BenchConfig:
     prefill_batch: int = 8
     lr: float = 1e-6
     seed: int = 0
+    devices: int = 1  # 0: every device
+    tensor: int = 1
+    generator_tensor: int = 1
 
     def __post_init__(self) -> None:
         if min(self.prompts, self.samples, self.prompt_len, self.max_new, self.micro_batches) < 1 or self.steps < 2:
@@ -103,6 +114,7 @@ class BenchConfig:
             trainer=dataclasses.replace(q.trainer, micro_batches=self.micro_batches, remat=self.remat),
             precision=dataclasses.replace(q.precision, rollout=arm.rollout, train_fp8=arm.train_fp8),
             data=dataclasses.replace(q.data, prompts_per_step=self.prompts, steps=self.steps, eval_every=0),
+            parallel=rlconfig.ParallelConfig(tensor=self.tensor, generator_tensor=self.generator_tensor),
             logging=dataclasses.replace(q.logging, out_dir=str(out_dir), tensorboard=False, plot=False, progress=False))
 
 
@@ -128,15 +140,19 @@ def run_arm(cfg: BenchConfig, arm: Arm, out_dir: Path) -> dict:
     rl = cfg.rl_config(arm, out_dir / arm.name.replace(":", "_"))
     model = rl.model
     trainer_cfg, policy = rl.trainer_config(), rl.train_policy()
-    optimizer = make_optimizer(rl.optimizer)
+    devices = bench_devices(cfg)
     params = init_params(model, jax.random.key(cfg.seed), jnp.float32)
-    state = init_train_state(params, optimizer, jax.random.key(cfg.seed + 1))
+    if len(devices) > 1:
+        trainer = make_mesh_trainer(model, policy, trainer_cfg, make_mesh(rl.parallel.mesh_config(len(devices)), devices))
+        state = init_sharded_state(trainer, params, jax.random.key(cfg.seed + 1))
+        train_step, logprob_fn = trainer.train_step, trainer.logprob_fn
+    else:
+        optimizer = make_optimizer(rl.optimizer)
+        state = init_train_state(params, optimizer, jax.random.key(cfg.seed + 1))
+        train_step = make_train_step(model, policy, trainer_cfg, optimizer)
+        logprob_fn = make_logprob_fn(model, policy, trainer_cfg)
     del params
-    train_step = make_train_step(model, policy, trainer_cfg, optimizer)
-    logprob_fn = make_logprob_fn(model, policy, trainer_cfg)
-    cast = jax.tree.map(lambda p: p.astype(jnp.bfloat16), state.params)
-    engine = JaxEngine(model, cast, rl.engine_config())
-    del cast
+    engine = make_generator(rl, model, state.params, rl.out_dir, devices)
     task = random_task(cfg)
     rows = []
     with MetricsLogger(rl.out_dir, tensorboard=False) as logger:
@@ -177,9 +193,35 @@ def run_arm(cfg: BenchConfig, arm: Arm, out_dir: Path) -> dict:
     return summary
 
 
+def bench_devices(cfg: BenchConfig) -> list:
+    """The devices the run uses (``cfg.devices``; 0: all)."""
+    n = cfg.devices or jax.device_count()
+    if n > jax.device_count():
+        raise ValueError(f"--devices {n}: only {jax.device_count()} device(s) here")
+    return jax.devices()[:n]
+
+
+def check_memory(cfg: BenchConfig, limit: int | None = None) -> None:
+    """Before anything is allocated: a ``ValueError`` (one line) when an arm's train state (float32 masters,
+    AdamW moments), generator weights and KV pool (`fp8rl_jax.rl.memory.plan_memory`'s rollout terms) exceed
+    ``limit`` bytes (default: the device's allocator limit; none on the CPU)."""
+    limit = device_bytes_limit() if limit is None else limit
+    if limit is None:
+        return
+    for arm in cfg.arms:
+        rollout = plan_memory(cfg.rl_config(arm, Path("runs")), len(bench_devices(cfg)), limit,
+                              choose_micro_batches=False).phases["rollout"]
+        terms = {TERMS[k]: rollout[k] for k in ("masters", "optimizer", "generator", "kv_pool")}
+        smaller = "fewer --layers or a smaller --preset"
+        check_fits(terms, limit, what=f"rl_step arm {arm.name} ({cfg.model.num_layers} layers)",
+                   fixes={TERMS["kv_pool"]: "lower --kv-gib", TERMS["generator"]: smaller, TERMS["masters"]: smaller,
+                          TERMS["optimizer"]: smaller})
+
+
 def measure(cfg: BenchConfig, runs_dir: Path = Path("runs/rl_step")) -> dict:
     """Every arm's steps (their metrics logs under ``runs_dir``) and its summary."""
-    results = {"model": dataclasses.asdict(cfg.model),
+    check_memory(cfg)
+    results = {"model": dataclasses.asdict(cfg.model), "devices": len(bench_devices(cfg)),
                "params": count_params(jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))),
                "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "arms")},
                "arms": []}
@@ -201,7 +243,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the preset's)")
     ap.add_argument("--arms", nargs="+", default=[a.name for a in d.arms], help="ROLLOUT:TRAIN, e.g. all:bf16 none:bf16")
     for name in ("prompts", "samples", "prompt_len", "max_new", "steps", "micro_batches", "max_slots",
-                 "steps_per_call", "prefill_batch"):
+                 "steps_per_call", "prefill_batch", "devices", "tensor", "generator_tensor"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--kv-gib", type=float, default=d.kv_gib)
     ap.add_argument("--no-remat", action="store_true")
@@ -215,7 +257,8 @@ def config(a: argparse.Namespace) -> BenchConfig:
     return BenchConfig(model=model, arms=tuple(Arm.parse(s) for s in a.arms), prompts=a.prompts, samples=a.samples,
                        prompt_len=a.prompt_len, max_new=a.max_new, steps=a.steps, micro_batches=a.micro_batches,
                        remat=not a.no_remat, kv_gib=a.kv_gib, max_slots=a.max_slots, steps_per_call=a.steps_per_call,
-                       prefill_batch=a.prefill_batch)
+                       prefill_batch=a.prefill_batch, devices=a.devices, tensor=a.tensor,
+                       generator_tensor=a.generator_tensor)
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -223,7 +266,8 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def result_name(a: argparse.Namespace) -> str:
-    return f"rl_step_{a.preset}"
+    n = a.devices or jax.device_count()
+    return f"rl_step_{a.preset}" + (f"_{n}dev" if n > 1 else "")
 
 
 SMOKE = ["--preset", "tiny_qwen3", "--layers", "1", "--prompts", "2", "--samples", "2", "--prompt-len", "6",

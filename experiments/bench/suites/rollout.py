@@ -47,6 +47,7 @@ from fp8rl_jax.models import Fp8Mode, ModelConfig, init_params
 from fp8rl_jax.models.calibration import calibrate_kv_scales_jit
 from fp8rl_jax.models.policy import DensePolicy
 from fp8rl_jax.quant.policy import GemmBackend, describe_cublaslt_algos, quantize_params
+from fp8rl_jax.rl.memory import GIB, check_fits, device_bytes_limit, generator_weight_bytes, kv_page_bytes
 from fp8rl_jax.rollout import vllm_backend as vb
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
 from fp8rl_jax.rollout.sampling import Draw, SamplingConfig
@@ -373,9 +374,33 @@ def clocks_cell(gpu: dict | None) -> str:
     return f"{gpu['sm_clock_mhz']['median']:.0f} ({capped:.0%})"
 
 
+def check_memory(cfg: BenchConfig, limit: int | None = None) -> None:
+    """Before anything is allocated (JAX backend): a ``ValueError`` (one line) when a mode's BF16 weights, the
+    engine's own copy (FP8, or fused on one device) and its KV pool exceed ``limit`` bytes (default: the device's
+    allocator limit; none on the CPU). A pool sized by ``kv_budget_fraction`` sizes itself and is not counted."""
+    limit = device_bytes_limit() if limit is None else limit
+    if cfg.backend is not Backend.JAX:
+        return
+    bf16 = generator_weight_bytes(cfg.model, False, jnp.bfloat16)
+    for mode in cfg.modes:
+        ec = _engine_config(cfg, mode)
+        fused = ec.fuse_projections is not False
+        copy = generator_weight_bytes(cfg.model, True, jnp.bfloat16, ec.fp8_block) if mode.fp8_weights else \
+            bf16 if fused else 0
+        page = kv_page_bytes(cfg.model, ec.page_size, mode.fp8_kv, ec.dtype)
+        pages = ec.num_pages or (0 if ec.kv_budget_fraction else int(ec.kv_budget_gib * GIB // page))
+        weights = 0 if cfg.kv_gib_like_vllm is not None and copy else bf16  # freed before the pool (run_mode)
+        check_fits({"BF16 weights": weights, "engine weight copy": copy, "KV pool": pages * page}, limit,
+                   what=f"rollout ({mode.value})",
+                   fixes={"KV pool": "lower --kv-gib (or --kv-tokens, --kv-gib-like-vllm), or use --kv-fraction",
+                          "BF16 weights": "fewer --layers or a smaller --preset",
+                          "engine weight copy": "fewer --layers or a smaller --preset"})
+
+
 def measure(cfg: BenchConfig) -> dict:
     """Runs every mode of ``cfg`` and returns the payload: the configuration and one row per mode (and workload)."""
     global WATCH
+    check_memory(cfg)
     key = jax.random.key(cfg.seed)
     # the JAX backend builds the weights per mode (the same ones: same key), so a mode can free them; init_params
     # compiles each distinct leaf shape once, so the second mode's init reuses the first's programs
