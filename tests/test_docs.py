@@ -165,7 +165,7 @@ def test_quoted_demo_numbers_are_the_recorded_run():
     rec = json.loads((ROOT / "experiments/results/cpu/quickstart.json").read_text())
     s = rec["summary"]
     first, first10, last10 = s["train_reward_first_step"], s["train_reward_first_10_mean"], s["train_reward_last_10_mean"]
-    before, after, kl = s["eval_accuracy_before_rl"], s["eval_accuracy_after_rl"], f"{s['mismatch_kl_k3_mean']:.1e}"
+    before, after, kl = s["eval_accuracy_before_rl"], s["eval_accuracy_after_rl"], f"{s['mismatch_kl_k3_mean']:.1e}".replace("e-0", "e-")
     text = {p: " ".join((ROOT / p).read_text().split()) for p in ("README.md", "docs/quickstart.md", "docs/results.md")}
     quotes = {
         "README.md": [f"from ~{_pct(first)} at the first step to ~{_pct(last10)} over the last 10",
