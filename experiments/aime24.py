@@ -469,10 +469,8 @@ def _run(config: AimeConfig, cleanup: contextlib.ExitStack) -> RunResult:
             restored = checkpointer.restore_latest(target)
         except CheckpointError as e:
             raise UsageError(f"--resume: {' '.join(str(e).split())}") from None
-        for step, why, moved in restored.damaged:
-            print(f"warning: {' '.join(why.split())}; moved it to {moved}; using step {restored.step}")
-        if not restored.verified:
-            print(f"note: {restored.path} has no checksum (saved before checksums were written): restored unverified")
+        for line in restored.messages():
+            print(line)
         state, cursor, latest = restored.state, restored.cursor, restored.step
         start_step = int(cursor.get("step", latest))
         resumed_fp = fingerprint(state)

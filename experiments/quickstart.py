@@ -182,8 +182,8 @@ def _run(config: QuickstartConfig, out: Path, lock: RunLock) -> dict:
             restored = checkpointer.restore_latest(target)
         except CheckpointError as e:
             raise UsageError(f"--resume: {' '.join(str(e).split())}") from None
-        for _, why, moved in restored.damaged:
-            print(f"warning: {' '.join(why.split())}; moved it to {moved}; using step {restored.step}")
+        for line in restored.messages():
+            print(line)
         state, cursor = restored.state, restored.cursor
         start_step = int(cursor["step"])
         rng.bit_generator.state = cursor["task_rng"]

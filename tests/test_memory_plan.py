@@ -245,8 +245,11 @@ def test_a_run_prints_its_plan_and_stops_when_it_does_not_fit(tmp_path, monkeypa
     aime24 = sys.modules["aime24"]
     monkeypatch.setattr(aime24, "device_bytes_limit", lambda: 64 * 2**20)
     monkeypatch.setattr(aime24, "init_params", lambda *a, **k: pytest.fail("built weights past a failed plan"))
-    config = aime24.AimeConfig(rl=override(exp.TINY, [f"logging.out_dir={tmp_path}"]), random_init=True,
-                               overflow=aime24.Overflow.TRUNCATE)
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    config = aime24.AimeConfig(rl=override(exp.TINY, [f"logging.out_dir={tmp_path / 'run'}", f"data.train_path={train}",
+                                                      "data.eval_every=0"]),
+                               random_init=True, overflow=aime24.Overflow.TRUNCATE)
     with pytest.raises(aime24.UsageError, match="largest term is .*memory_check=false runs anyway"):
         aime24.main(config)
     out = capsys.readouterr().out

@@ -97,6 +97,14 @@ class Restored:
     verified: bool
     damaged: tuple[tuple[int, str, Path], ...] = ()
 
+    def messages(self) -> list[str]:
+        """What a resuming run should print: each damaged newer step and where it went, and a missing checksum."""
+        lines = [f"warning: {' '.join(why.split())}; moved it to {moved}; using step {self.step}"
+                 for _, why, moved in self.damaged]
+        if not self.verified:
+            lines.append(f"note: {self.path} has no checksum (saved before checksums were written): restored unverified")
+        return lines
+
 
 # ------------------------------------------------------------------------------------ checksums
 
