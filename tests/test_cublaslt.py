@@ -306,7 +306,6 @@ def test_auto_follows_the_measured_table_per_shape(tmp_path, monkeypatch):
     (M bucket, N, K), else the table's default for the device kind, else Mosaic; bench_gemm's entries
     are what the table holds, and rewriting the table keeps its defaults."""
     import json
-    import sys
 
     import fp8rl_jax.quant.policy as P
 
@@ -434,7 +433,6 @@ def test_measured_triton_table_chooses_shapes_and_configs(monkeypatch, tmp_path)
     Triton (``FP8RL_FP8_GEMM`` and explicit backends still win) and `triton_config` returns the measured config;
     other device kinds and unmeasured shapes keep the defaults."""
     import json
-    import sys
 
     import fp8rl_jax.quant.policy as P
 

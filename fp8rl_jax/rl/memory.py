@@ -100,10 +100,10 @@ from fp8rl_jax.models.config import ModelConfig
 from fp8rl_jax.models.qwen3 import abstract_params
 from fp8rl_jax.numerics.fp8 import QuantizedWeight
 from fp8rl_jax.parallel.mesh import MeshConfig
-from fp8rl_jax.parallel.rules import (EXPERT_RULES, FSDP_RULES, TENSOR_RULES, ShardingFallbackWarning,
-                                      ShardingPreset, plan_params)
+from fp8rl_jax.parallel.rules import ShardingFallbackWarning, ShardingPreset, plan_params
 from fp8rl_jax.quant.policy import LayerPolicy, site_of
 from fp8rl_jax.rl.config import ConfigError, RLConfig, RolloutBackend, override
+from fp8rl_jax.rl.sharded import mesh_rules
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context, library workspaces, NCCL buffers, executables
@@ -395,11 +395,6 @@ class MemoryPlan:
         return head + "\n".join(lines) + "\n" + "\n".join(choice)
 
 
-def trainer_rules() -> Any:
-    """The trainer's sharding rules: FSDP, Megatron tensor and expert parallelism, each where its axis is > 1."""
-    return FSDP_RULES | TENSOR_RULES | EXPERT_RULES
-
-
 def _check(cfg: RLConfig, devices: int, hbm_bytes: int) -> tuple[MeshConfig, int]:
     """The mesh and per-device batch, or a ``ConfigError`` naming what does not divide."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
@@ -435,8 +430,9 @@ def plan_memory(cfg: RLConfig, devices: int, hbm_bytes: int, *, offload_optimize
     gt, T = cfg.parallel.generator_tensor, eng.max_seq_len
     c = jnp.dtype(tr.compute_dtype.value).itemsize
     masters_tree = abstract_params(m, jnp.float32)
-    leaves = _per_device(masters_tree, m, mesh, trainer_rules())
-    full = _per_device(masters_tree, m, mesh, trainer_rules(), skip="fsdp", itemsize=c)
+    rules = mesh_rules(mesh)  # the rules the trainer shards its state by (rl.sharded.make_mesh_trainer)
+    leaves = _per_device(masters_tree, m, mesh, rules)
+    full = _per_device(masters_tree, m, mesh, rules, skip="fsdp", itemsize=c)
     P_bytes = sum(leaves.values())  # 4 bytes x P_dev
     params = sum(math.prod(v.get_value().shape) for _, v in nnx.to_flat_state(masters_tree))
     groups: dict[tuple, int] = {}

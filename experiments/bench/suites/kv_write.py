@@ -12,7 +12,6 @@ interpret mode and no GPU time is recorded (None): the smoke run.
 
 from __future__ import annotations
 
-import functools
 import tempfile
 
 import jax
