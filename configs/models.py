@@ -32,6 +32,11 @@ qwen3_8b = ModelConfig(
 qwen3_1_7b = dataclasses.replace(qwen3_8b, hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
                                  num_kv_heads=8, tie_word_embeddings=True)
 
+# Qwen/Qwen3-4B: 4.02B parameters; the largest dense Qwen3 whose RL step (float32 masters, AdamW) is planned
+# for one 80 GB GPU.
+qwen3_4b = dataclasses.replace(qwen3_8b, hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+                               num_kv_heads=8, tie_word_embeddings=True)
+
 # Qwen/Qwen3-30B-A3B: 30.5B parameters in all, 3.3B active per token.
 qwen3_30b_a3b = ModelConfig(
     vocab_size=151_936,
@@ -80,6 +85,7 @@ tiny_qwen3_moe = dataclasses.replace(
 PRESETS = {
     "qwen3_8b": qwen3_8b,
     "qwen3_1_7b": qwen3_1_7b,
+    "qwen3_4b": qwen3_4b,
     "qwen3_30b_a3b": qwen3_30b_a3b,
     "tiny_qwen3": tiny_qwen3,
     "tiny_qwen3_moe": tiny_qwen3_moe,

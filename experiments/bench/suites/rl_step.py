@@ -44,7 +44,7 @@ from fp8rl_jax.parallel.mesh import make_mesh
 from fp8rl_jax.rl import config as rlconfig
 from fp8rl_jax.rl.generator import make_generator
 from fp8rl_jax.rl.loop import MetricsLogger, Task, rl_step
-from fp8rl_jax.rl.memory import TERMS, check_fits, device_bytes_limit, plan_memory
+from fp8rl_jax.rl.memory import PHASES, TERMS, check_fits, device_bytes_limit, plan_memory
 from fp8rl_jax.rl.sharded import init_sharded_state, make_mesh_trainer
 from fp8rl_jax.rl.trainer import init_train_state, make_logprob_fn, make_optimizer, make_train_step
 from fp8rl_jax.tasks import Example
@@ -187,10 +187,27 @@ def run_arm(cfg: BenchConfig, arm: Arm, out_dir: Path) -> dict:
         "mismatch_kl_k3": [r.get("mismatch/kl_k3") for r in rows],
         "reward_mean": [r["reward/mean"] for r in rows],
         "first_step_s (compile)": rows[0]["time/step_s"],
+        **memory_against_plan(rl, devices),
         "steps": rows,
     }
     del engine, state
     return summary
+
+
+def memory_against_plan(rl: rlconfig.RLConfig, devices: list) -> dict:
+    """The allocator's peak so far on the first device (the process's peak: an arm run first in its process
+    measures itself alone) beside the memory plan's peak for this config at its configured micro-batches
+    (`fp8rl_jax.rl.memory.plan_memory`) and each phase's planned total; empty where the backend has no
+    memory statistics."""
+    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    if not stats or "peak_bytes_in_use" not in stats:
+        return {}
+    plan = plan_memory(rl, len(devices), int(stats["bytes_limit"]), choose_micro_batches=False)
+    buffers = {p: plan.total(p) - plan.phases[p]["reserve"] for p in PHASES}  # the allocator sees no reserve
+    peak = int(stats["peak_bytes_in_use"])
+    return {"process_peak_bytes": peak, "plan_buffer_peak_bytes": max(buffers.values()),
+            "peak_over_plan": peak / max(buffers.values()), "plan_phase_buffer_bytes": buffers,
+            "bytes_limit": int(stats["bytes_limit"])}
 
 
 def bench_devices(cfg: BenchConfig) -> list:
@@ -228,12 +245,15 @@ def measure(cfg: BenchConfig, runs_dir: Path = Path("runs/rl_step")) -> dict:
     for arm in cfg.arms:
         gc.collect()  # the previous arm's engine, KV pool and train state must be gone first
         results["arms"].append(run_arm(cfg, arm, runs_dir))
-    print("\n| arm | step s | rollout s (share) | trainer logprobs s | update s | weight sync ms | rollout tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| arm | step s | rollout s (share) | trainer logprobs s | update s | weight sync ms | rollout tok/s | "
+          "peak GiB (plan) |")
+    print("|---|---|---|---|---|---|---|---|")
     for a in results["arms"]:
         print(f"| {a['arm']} | {a['step_s_median']:.2f} | {a['rollout_s_median']:.2f} ({a['rollout_share']:.0%}) | "
               f"{a['trainer_logprobs_s_median']:.2f} | {a['update_s_median']:.2f} | {a['weight_sync_ms_median']:.1f} | "
-              f"{a['rollout_tokens_per_s_median']:.0f} |")
+              f"{a['rollout_tokens_per_s_median']:.0f} | " + (f"{a['process_peak_bytes'] / 2**30:.1f} "
+                                                                f"({a['plan_buffer_peak_bytes'] / 2**30:.1f}) |"
+                                                                if "process_peak_bytes" in a else "- |"))
     return results
 
 
