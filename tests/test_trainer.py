@@ -566,7 +566,7 @@ def test_head_logprobs_against_float64_and_memory():
     logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))
     ref_lp = np.take_along_axis(logp_all, t[..., None], -1)[..., 0]
     ref_ent = -(np.exp(logp_all) * logp_all).sum(-1)
-    head = lambda x, w: jnp.einsum("bsd,vd->bsv", x, w, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+    head = lambda x, w: jnp.einsum("...d,vd->...v", x, w, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
     for chunk in (None, 64):
         lp, ent = head_logprobs(functools.partial(head, w=jnp.asarray(w)), jnp.asarray(h), jnp.asarray(t),
                                 with_entropy=True, chunk=chunk)

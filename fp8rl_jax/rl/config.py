@@ -184,7 +184,7 @@ class TrainConfig:
     micro_batches: int = 1
     compute_dtype: ComputeDtype = ComputeDtype.BFLOAT16
     remat: bool = False
-    logits_chunk: int | None = 1024  # LM head + log-softmax this many positions at a time (trainer.head_logprobs)
+    logits_chunk: int | None = 1024  # LM head + log-softmax this many tokens at a time (trainer.head_logprobs)
 
     def __post_init__(self) -> None:
         check_field_types(self)

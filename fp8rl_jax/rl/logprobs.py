@@ -7,8 +7,8 @@
 * **FP32 master weights, BF16 compute.** :func:`trainer_logprobs` (and the loss) cast the float32
   parameters to ``TrainerConfig.compute_dtype`` before the forward; the cast is differentiable,
   so gradients stay float32. The policy's compute dtype must match (checked).
-* **Chunked vocabulary projection.** ``TrainerConfig.logits_chunk`` positions at a time
-  (:func:`head_logprobs`, rematerialized in the backward): ``[B, T, V]`` float32 logits with
+* **Chunked vocabulary projection.** ``TrainerConfig.logits_chunk`` tokens of the micro-batch at a
+  time (:func:`head_logprobs`, rematerialized in the backward): ``[B, T, V]`` float32 logits with
   Qwen3's 152k vocabulary are ~600 KB per token, and autodiff keeps several copies of them.
 * **MoE routing replay.** ``routing`` (``[B, T, L_moe, k]`` int32, recorded by the generator,
   ``-1`` = not recorded) sends each token through the experts the rollout chose; the router's
@@ -42,7 +42,7 @@ def token_logprobs(params: nnx.State, tokens: Array, *, config: ModelConfig, pol
     distribution that predicts position ``t`` (None unless ``with_entropy``). ``params`` are used
     as given (cast them first for BF16 compute, as :func:`trainer_logprobs` does). ``routing``
     [B, T, L_moe, k] int32 replays MoE expert choices (``TrainBatch.routing``). ``logits_chunk``:
-    the LM head and log-softmax run over that many positions at a time, rematerialized in the
+    the LM head and log-softmax run over that many tokens at a time, rematerialized in the
     backward pass (:func:`head_logprobs`), so ``[B, T, V]`` float32 logits never exist at once."""
     logp, ent, _ = _logprobs_and_hidden(model_params(params), tokens, config=config, policy=policy,
                                         with_entropy=with_entropy, remat=remat, routing=routing,
@@ -53,16 +53,17 @@ def token_logprobs(params: nnx.State, tokens: Array, *, config: ModelConfig, pol
 def head_logprobs(logits_fn: Callable[[Array], Array], hidden: Array, targets: Array, *, with_entropy: bool = False,
                   chunk: int | None = None) -> tuple[Array, Array | None]:
     """``logp[b, s] = log softmax(logits_fn(hidden[b, s]))[targets[b, s]]`` ``[B, S]`` float32 (and
-    the entropy of that distribution when ``with_entropy``), computed ``chunk`` positions at a
-    time when ``S > chunk``.
+    the entropy of that distribution when ``with_entropy``), computed ``chunk`` tokens at a time
+    (the ``B x S`` tokens taken row after row) when there are more than ``chunk`` of them.
 
     The vocabulary projection dominates activation memory at RL lengths: Qwen3's 152k-entry
     vocabulary makes ``[B, S, V]`` float32 logits ~600 KB per token, and autodiff keeps several
     such tensors (logits, softmax, their cotangents). Chunked, the forward holds one
-    ``[B, chunk, V]`` block at a time and ``jax.checkpoint`` makes the backward recompute each
+    ``[chunk, V]`` block at a time and ``jax.checkpoint`` makes the backward recompute each
     chunk's logits from ``hidden`` instead of storing them: peak memory falls from
-    ``O(S V)`` to ``O(chunk V)`` for one extra LM-head GEMM. Each position's result is the same
-    math as the unchunked path (rows of a GEMM are independent), up to the GEMM's summation order."""
+    ``O(B S V)`` to ``O(chunk V)``, whatever the micro-batch's row count, for one extra LM-head GEMM.
+    Each token's result is the same math as the unchunked path (rows of a GEMM are independent),
+    up to the GEMM's summation order."""
     B, S = targets.shape
 
     def block(h, t):
@@ -70,15 +71,15 @@ def head_logprobs(logits_fn: Callable[[Array], Array], hidden: Array, targets: A
         lp = jnp.take_along_axis(z, t[..., None].astype(jnp.int32), axis=-1)[..., 0] - jax.nn.logsumexp(z, axis=-1)
         return lp, (entropy_from_logits(z) if with_entropy else jnp.zeros_like(lp))
 
-    if chunk is None or S <= chunk:
+    if chunk is None or B * S <= chunk:
         lp, ent = block(hidden, targets)
     else:
-        n = -(-S // chunk)
-        pad = n * chunk - S
-        h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, -1).swapaxes(0, 1)
-        t = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+        n = -(-(B * S) // chunk)
+        pad = n * chunk - B * S
+        h = jnp.pad(hidden.reshape(B * S, -1), ((0, pad), (0, 0))).reshape(n, chunk, -1)
+        t = jnp.pad(targets.reshape(B * S), (0, pad)).reshape(n, chunk)
         lp, ent = jax.lax.map(jax.checkpoint(lambda ht: block(*ht)), (h, t))
-        lp, ent = (x.swapaxes(0, 1).reshape(B, n * chunk)[:, :S] for x in (lp, ent))
+        lp, ent = (x.reshape(n * chunk)[:B * S].reshape(B, S) for x in (lp, ent))
     return lp, (ent if with_entropy else None)
 
 

@@ -56,7 +56,7 @@ and in the backward, and none are saved. With ``S = min(T, QUERY_BLOCK)`` scores
 
 * ``remat``: ``L b T D c`` saved + the largest of one layer recomputed with its backward,
   ``b T (A + ATT_REMAT N S)`` (``ATT_REMAT = 16``), and the LM-head block
-  ``b min(logits_chunk, T) V x 4 x copies``: float32 logits, softmax and cotangent
+  ``min(logits_chunk, b T) V x 4 x copies`` (the chunk counts tokens across rows): float32 logits, softmax and cotangent
   (``HEAD_COPIES = 3``), 2 when chunked (``HEAD_COPIES_CHUNKED``: each chunk is rematerialized);
 * no ``remat``: ``b T (sum over layers of A + ATT_SAVED N T)`` + the larger of the last layer's
   backward ``b T (A + ATT_BWD N T)`` (``ATT_BWD = 8``: float32 cotangents) and the head block; past
@@ -222,8 +222,9 @@ def train_activation_bytes(m: ModelConfig, rows: int, T: int, *, remat: bool, lo
     c, D, L = itemsize, m.hidden_size, m.num_layers
     N, V = _split(m.num_heads, tensor), _split(m.vocab_size, tensor)
     A = [_layer_token_bytes(m, i, tensor, c) for i in range(L)]
-    chunked = logits_chunk is not None and logits_chunk < T
-    head = rows * min(logits_chunk or T, T) * V * 4 * (HEAD_COPIES_CHUNKED if chunked else HEAD_COPIES)
+    tokens = rows * T
+    chunked = logits_chunk is not None and logits_chunk < tokens
+    head = min(logits_chunk or tokens, tokens) * V * 4 * (HEAD_COPIES_CHUNKED if chunked else HEAD_COPIES)
     S = min(T, QUERY_BLOCK)
     if remat:
         saved, layer = L * rows * T * D * c, rows * T * (max(A) + ATT_REMAT * N * S)
@@ -240,7 +241,7 @@ def logprob_activation_bytes(m: ModelConfig, rows: int, T: int, *, logits_chunk:
     c, D = itemsize, m.hidden_size
     N, V = _split(m.num_heads, tensor), _split(m.vocab_size, tensor)
     A = max(_layer_token_bytes(m, i, tensor, c) for i in range(m.num_layers))
-    head = rows * min(logits_chunk or T, T) * V * 4 * HEAD_COPIES_FWD
+    head = min(logits_chunk or rows * T, rows * T) * V * 4 * HEAD_COPIES_FWD
     S = min(T, QUERY_BLOCK)
     return max(rows * T * (A + ATT_FWD * N * S), head) + rows * T * (2 * D * c + S)
 

@@ -142,7 +142,7 @@ class TrainerConfig:
     micro_batches: int = 1  # M: B must be a multiple; gradients are accumulated exactly
     compute_dtype: ComputeDtype = ComputeDtype.BFLOAT16
     remat: bool = False  # recompute each decoder layer in the backward pass
-    logits_chunk: int | None = 1024  # LM head + log-softmax over this many positions at a time (None: all)
+    logits_chunk: int | None = 1024  # LM head + log-softmax over this many tokens at a time (None: all)
 
     def __post_init__(self) -> None:
         check_field_types(self)
