@@ -339,3 +339,61 @@ def test_causal_attention_by_query_blocks_equals_float64_softmax():
             assert abs(float(g[0][idx]) - num) < 1e-3 * max(1.0, abs(num))
     for a, b in zip(grads[4], grads[T], strict=True):
         assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5
+
+
+def _float64_causal(q, k, v):
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    s = np.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, N // K, H), k) / np.sqrt(H)
+    s = np.where(np.tril(np.ones((T, T), bool))[None, None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bkgts,bskh->btkgh", p, v).reshape(B, T, N, H)
+
+
+def test_causal_attention_takes_the_jnp_path_off_the_gpu(monkeypatch):
+    """Flash attention is for GPUs, unpadded keys and 16-bit activations only; the switch reads the environment."""
+    from fp8rl_jax.models.attention import flash_attention_applies
+
+    q = jnp.zeros((1, 4, 2, 64), jnp.bfloat16)
+    assert not flash_attention_applies(q, None)  # the CPU backend
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert flash_attention_applies(q, None)
+    assert not flash_attention_applies(q, jnp.ones((1, 4), bool))
+    assert not flash_attention_applies(q.astype(jnp.float32), None)
+    monkeypatch.setenv("FP8RL_TRAIN_ATTENTION", "reference")
+    assert not flash_attention_applies(q, None)
+
+
+@pytest.mark.gpu
+def test_flash_attention_on_the_gpu_against_float64():
+    """On the GPU, the trainer's causal attention (cuDNN flash, BF16) against a float64 causal softmax on fresh
+    random inputs: the output and the gradients of q, k and v within BF16 rounding; and its compiled backward
+    holds no [T, T] scores (temporaries far below one float32 score block)."""
+    from fp8rl_jax.models.attention import causal_attention, flash_attention_applies
+
+    rng = np.random.default_rng()
+    B, T, N, K, H = 2, 1536, 8, 2, 128
+    q, k, v = (rng.normal(size=(B, T, n, H)).astype(np.float32) for n in (N, K, K))
+    w = rng.normal(size=(B, T, N, H)).astype(np.float32)
+    qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    assert flash_attention_applies(qb, None)
+    out = np.asarray(jax.jit(causal_attention)(qb, kb, vb), np.float64)
+    f64 = [np.asarray(x, np.float64) for x in (qb, kb, vb)]
+    assert rel_err(out, _float64_causal(*f64)) < 1e-2
+
+    def loss(q, k, v):
+        return jnp.sum(causal_attention(q, k, v).astype(jnp.float32) * w)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    grads = step(qb, kb, vb)
+    eps = 1e-2  # float64 central differences of the reference along a random direction per input
+    for i, g in enumerate(grads):
+        d = rng.normal(size=f64[i].shape)
+        plus, minus = list(f64), list(f64)
+        plus[i], minus[i] = f64[i] + eps * d, f64[i] - eps * d
+        num = np.sum((_float64_causal(*plus) - _float64_causal(*minus)) * w) / (2 * eps)
+        got = float(np.sum(np.asarray(g, np.float64) * d))
+        assert abs(got - num) < 2e-2 * max(1.0, abs(num)), (i, got, num)
+    temp = step.lower(qb, kb, vb).compile().memory_analysis().temp_size_in_bytes
+    assert temp < B * N * T * T * 4 / 4, temp  # a quarter of one float32 [B, N, T, T] score tensor

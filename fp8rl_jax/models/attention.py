@@ -11,10 +11,17 @@ building its own mask and ``[B, N, block, T]`` float32 scores under ``jax.checkp
 forward and the backward hold one block's scores, not ``T^2`` of them (an RL response of 20k tokens
 would need hundreds of GiB per sequence otherwise). Each row's math is ``dot_attention``'s: scores
 over every key, the same masking and softmax.
+
+On a GPU, a causal forward with no padded keys (the trainer's: its rows are right-padded, and a causal
+query never sees a later key) runs cuDNN's fused flash attention instead (``jax.nn.dot_product_attention``,
+``implementation="cudnn"``): no scores are stored at all, in the forward or the backward, and the
+trainer's attention memory is linear in ``T`` at every length. ``FP8RL_TRAIN_ATTENTION=reference`` keeps
+the jnp path there too (for comparisons); where cuDNN does not take the shapes, the jnp path runs.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import chex
@@ -70,11 +77,26 @@ def dot_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.astype(q.dtype).reshape(B, T, N, H)
 
 
+def flash_attention_applies(q: jax.Array, key_valid: jax.Array | None) -> bool:
+    """Whether :func:`causal_attention` hands ``q`` to cuDNN's flash attention (module note): a GPU backend,
+    no padded keys, 16-bit activations, a head size cuDNN takes, and no ``FP8RL_TRAIN_ATTENTION=reference``."""
+    return (key_valid is None and jax.default_backend() == "gpu"
+            and os.environ.get("FP8RL_TRAIN_ATTENTION", "auto") != "reference"
+            and jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array | None = None, *,
                      block: int = QUERY_BLOCK) -> jax.Array:
     """Causal self-attention of a full sequence: q [B, T, N, H], k/v [B, T, K, H], ``key_valid`` [B, T]
-    bool or None -> [B, T, N, H]; ``block`` queries at a time when ``T > block`` (module note)."""
+    bool or None -> [B, T, N, H]; cuDNN's flash attention on a GPU (:func:`flash_attention_applies`), else
+    ``block`` queries at a time when ``T > block`` (module note)."""
     B, T, N, H = q.shape
+    if flash_attention_applies(q, key_valid):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        except (NotImplementedError, ValueError, RuntimeError):
+            pass  # shapes or a cuDNN version it does not take: the jnp path below
     if T <= block:
         return dot_attention(q, k, v, causal_mask(T, key_valid, B))
     n = -(-T // block)
