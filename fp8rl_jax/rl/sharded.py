@@ -57,6 +57,7 @@ from fp8rl_jax.parallel.rules import (
     plan_params,
 )
 from fp8rl_jax.rl.trainer import (
+    TRAIN_STEP_COMPILER_OPTIONS,
     PolicyValueParams,
     TrainBatch,
     TrainerConfig,
@@ -141,7 +142,7 @@ def make_sharded_train_step(model_config: ModelConfig, policy: MatmulPolicy, tra
     fn = functools.partial(train_step, model_config=model_config, policy=policy, trainer_config=trainer_config,
                            optimizer=optimizer)
     jitted = jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, NamedSharding(mesh, P())),
-                     donate_argnums=0)
+                     donate_argnums=0, compiler_options=TRAIN_STEP_COMPILER_OPTIONS)
     return ShardedTrainStep(jitted, mesh, state_sh, batch_sh, fallbacks)
 
 

@@ -271,6 +271,12 @@ def train_step(state: TrainState, batch: TrainBatch, *, model_config: ModelConfi
     return new, metrics
 
 
+# Compiler options of every train step: without XLA's latency-hiding scheduler on the GPU, which moves each
+# layer's rematerialized forward in the micro-batch loop ahead of the backward that needs it and so keeps every
+# layer's activations alive at once (docs/memory.md, "The train step's compiler options").
+TRAIN_STEP_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": False}
+
+
 def make_train_step(model_config: ModelConfig, policy: MatmulPolicy, trainer_config: TrainerConfig,
                     optimizer: optax.GradientTransformation | None = None
                     ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
@@ -281,13 +287,14 @@ def make_train_step(model_config: ModelConfig, policy: MatmulPolicy, trainer_con
         optimizer = make_optimizer(trainer_config.optimizer)
     fn = functools.partial(train_step, model_config=model_config, policy=policy, trainer_config=trainer_config,
                            optimizer=optimizer)
-    return jax.jit(fn, donate_argnums=0)
+    return jax.jit(fn, donate_argnums=0, compiler_options=TRAIN_STEP_COMPILER_OPTIONS)
 
 
 __all__: Sequence[str] = (
     "ComputeDtype",
     "LossConfig",
     "OptimizerConfig",
+    "TRAIN_STEP_COMPILER_OPTIONS",
     "PolicyValueParams",
     "Schedule",
     "TrainBatch",
