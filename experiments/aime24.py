@@ -77,20 +77,14 @@ from fp8rl_jax.parallel.mesh import MeshConfig, make_mesh
 from fp8rl_jax.rewards import math_reward
 from fp8rl_jax.rl import config as rlconfig
 from fp8rl_jax.rl.checkpointing import (CheckpointConfig, Checkpointer, CheckpointError, latest_step,
-                                         open_run_notes)
+                                         open_run_notes, reduce_leaves)
 from fp8rl_jax.rl.generator import apply_generator_environment, make_generator
 from fp8rl_jax.rl.loop import MetricsLogger, Task, plot_metrics, read_metrics, run
 from fp8rl_jax.rl.memory import device_bytes_limit, plan_memory
 from fp8rl_jax.rl.run_dir import RunFolderError, RunLock, config_differences, move_aside, read_config
 from fp8rl_jax.rl.sharded import abstract_sharded_state, init_sharded_state, make_mesh_trainer
-from fp8rl_jax.rl.trainer import (
-    TrainerConfig,
-    TrainState,
-    init_train_state,
-    make_logprob_fn,
-    make_optimizer,
-    make_train_step,
-)
+from fp8rl_jax.rl.offload import make_step, offload_moments
+from fp8rl_jax.rl.trainer import TrainerConfig, TrainState, init_train_state, make_logprob_fn, make_optimizer
 from fp8rl_jax.tasks import Example, PromptDataset
 from fp8rl_jax.tasks.datasets import (
     PROMPT_TEMPLATE,
@@ -273,13 +267,15 @@ def _eos_ids(folder: Path, model_cfg: ModelConfig) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class _Trainer:
     """The trainer's functions for the run's devices: ``init(params, key)`` builds a fresh state in its
-    layout, ``target(key)`` the abstract state a checkpoint restores into."""
+    layout, ``target(key)`` the abstract state a checkpoint restores into, ``place(state)`` puts a restored
+    state where the step wants it (the optimizer moments in host memory with ``trainer.offload_optimizer``)."""
 
     optimizer: Any
     train_step: Any
     logprob_fn: Any
     init: Any
     target: Any
+    place: Any = staticmethod(lambda state: state)
 
 
 @functools.lru_cache(maxsize=4)
@@ -293,26 +289,27 @@ def _trainer(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, policy: MatmulP
         return _Trainer(mt.optimizer, mt.train_step, mt.logprob_fn, functools.partial(init_sharded_state, mt),
                         functools.partial(abstract_sharded_state, mt, model_cfg))
     optimizer = make_optimizer(trainer_cfg.optimizer)
+    place = offload_moments if trainer_cfg.offload_optimizer else (lambda state: state)
 
     def init(params, key):  # committed like a restored state, so a resume in the same process reuses the steps
-        return jax.device_put(init_train_state(params, optimizer, key), devices[0])
+        return place(jax.device_put(init_train_state(params, optimizer, key), devices[0]))
 
     def target(key):
         return jax.eval_shape(lambda p: init_train_state(p, optimizer, key), abstract_params(model_cfg, jnp.float32))
 
-    return _Trainer(optimizer, make_train_step(model_cfg, policy, trainer_cfg, optimizer),
-                    make_logprob_fn(model_cfg, policy, trainer_cfg), init, target)
+    return _Trainer(optimizer, make_step(model_cfg, policy, trainer_cfg), make_logprob_fn(model_cfg, policy, trainer_cfg),
+                    init, target, place)
 
 
 @jax.jit
-def _leaf_sums(tree) -> jax.Array:
-    return jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)])
+def _leaf_sums(leaves: list) -> jax.Array:
+    return jnp.stack([jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in leaves] or [jnp.zeros(())])
 
 
 def fingerprint(state: TrainState) -> str:
     """A cheap checksum of the state: a digest of every leaf's sum of |x| (reduced on the device, so
     an 8B state is not copied to the host). Equal states give equal fingerprints."""
-    sums = jax.device_get(_leaf_sums(state))
+    sums = reduce_leaves(_leaf_sums, jax.tree.leaves(state))
     return hashlib.sha256(np.asarray(sums, np.float32).tobytes()).hexdigest()[:16]
 
 
@@ -437,6 +434,9 @@ def _run(config: AimeConfig, cleanup: contextlib.ExitStack) -> RunResult:
     except rlconfig.ConfigError as e:
         raise UsageError(str(e)) from None
     batch = cfg.data.prompts_per_step * cfg.rollout.n_samples
+    if cfg.trainer.offload_optimizer and len(devices) > 1:
+        raise UsageError(f"trainer.offload_optimizer is for one device, this run has {len(devices)}: the mesh "
+                         "trainer shards the optimizer state with parallel.fsdp instead")
     if batch % mesh_cfg.batch_shards:
         raise UsageError(f"the batch (data.prompts_per_step x rollout.n_samples = {batch}) does not split over the "
                          f"{mesh_cfg.batch_shards} batch shards of the mesh ({mesh_cfg}); change "
@@ -471,7 +471,7 @@ def _run(config: AimeConfig, cleanup: contextlib.ExitStack) -> RunResult:
             raise UsageError(f"--resume: {' '.join(str(e).split())}") from None
         for line in restored.messages():
             print(line)
-        state, cursor, latest = restored.state, restored.cursor, restored.step
+        state, cursor, latest = trainer.place(restored.state), restored.cursor, restored.step
         start_step = int(cursor.get("step", latest))
         resumed_fp = fingerprint(state)
         n_train = cursor.get("train_examples")

@@ -299,10 +299,12 @@ def test_decode_hold_and_prefill():
     assert decode.result_name(args) == "prefill_4x1024"
 
 
-def test_decode_gemms_triton_configs(tmp_path):
-    """--triton: the split-K Triton kernel's decode configs (interpret mode here, one shape: each config runs
-    ~1 s) against the same reference; --triton-configs: these configs instead; the table and config flags need
-    --triton; off the GPU nothing is timed, so no table is written."""
+def test_decode_gemms_triton_configs(tmp_path, monkeypatch):
+    """--triton: the split-K Triton kernel's decode configs (two of them here, interpret mode, one shape: each
+    config runs ~1 s; tests/test_pallas_kernels.py checks every one) against the same reference; --triton-configs:
+    these configs instead; the table and config flags need --triton; off the GPU nothing is timed, so no table is
+    written."""
+    monkeypatch.setattr(decode_gemms.triton_gemm, "DECODE_CONFIGS", decode_gemms.triton_gemm.DECODE_CONFIGS[-2:])
     base = ["--preset", "tiny_qwen3", "--m", "8", "--splits", "2", "--sets", "2", "--shapes", "o_proj"]
     table = tmp_path / "triton.json"
     more = run_suite("decode_gemms", [*base, "--triton", "--triton-table-out", str(table)], write=False)["rows"]

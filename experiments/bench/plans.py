@@ -57,7 +57,7 @@ def _decode(name: str, batch: int, context: int, *modes: str) -> Step:
                                  "--lengths", "equal", "--modes", *modes))
 
 
-def _common(kv8b: tuple[float, float], rows: int, vllm_memory: float, train_layers: int) -> list[Step]:
+def _common(kv8b: tuple[float, float], rows: int, vllm_memory: float) -> list[Step]:
     return [
         *(_rollout(f"rollout_W1_{m}", kv8b, "W1", m) for m in ("none", "w8a8", "kv", "all")),
         _rollout("rollout_W2_none", kv8b, "W2", "none"),
@@ -83,23 +83,23 @@ def _common(kv8b: tuple[float, float], rows: int, vllm_memory: float, train_laye
         Step("quant_kernels", "quant_kernels", ()),
         Step("grouped_gemm", "grouped_gemm", ()),
         Step("decode_gemms_triton", "decode_gemms", ("--preset", "qwen3_8b", "--m", "64", "128", "256", "--triton")),
-        Step("train_step", "train_step", ("--preset", "qwen3_8b", "--layers", str(train_layers), "--batch", "8",
+        Step("train_step", "train_step", ("--preset", "qwen3_8b", "--layers", "8", "--batch", "8",
                                           "--seq-len", "2048")),
         Step("rl_step_all", "rl_step", ("--preset", "qwen3_1_7b", "--arms", "all:bf16")),
         Step("rl_step_none", "rl_step", ("--preset", "qwen3_1_7b", "--arms", "none:bf16")),
-        Step("scaling", "scaling", ("--preset", "qwen3_8b", "--train-layers", str(train_layers)), devices=2),
+        Step("scaling", "scaling", ("--preset", "qwen3_8b", "--train-layers", "8"), devices=2),
     ]
 
 
 def h100() -> list[Step]:
     """The H100 80GB: Qwen3-8B workloads and profiles (no 30B-A3B: see the module's note)."""
-    return _common(kv8b=(49.5, 56.16), rows=128, vllm_memory=0.6, train_layers=4)
+    return _common(kv8b=(49.5, 56.16), rows=128, vllm_memory=0.6)
 
 
 def h200() -> list[Step]:
     """The H200 141GB: the H100's steps at the H200's sizes, plus Qwen3-30B-A3B W1."""
     moe = ("--preset", "qwen3_30b_a3b", *ROLLOUT_8B[2:])
-    return [*_common(kv8b=(101.74, 107.52), rows=256, vllm_memory=0.6, train_layers=8),
+    return [*_common(kv8b=(101.74, 107.52), rows=256, vllm_memory=0.6),
             _rollout("rollout_30b_a3b_W1_none", (60.0, 87.0), "W1", "none", base=moe),
             _rollout("rollout_30b_a3b_W1_all", (60.0, 87.0), "W1", "all", base=moe)]
 

@@ -147,10 +147,23 @@ def _leaf_digests(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
 
 
+def reduce_leaves(fn: Any, leaves: list) -> np.ndarray:
+    """``fn(leaves)`` (a jitted function of a list of arrays giving one row per leaf) on the device: the leaves in
+    device memory in one call, those in host memory (offloaded optimizer moments, ``rl.offload``) one at a time
+    through the device, so no more than one of them is ever copied there."""
+    on_host = [getattr(getattr(x, "sharding", None), "memory_kind", None) not in (None, "device") for x in leaves]
+    resident = [i for i, h in enumerate(on_host) if not h]
+    rows: dict[int, np.ndarray] = dict(zip(resident, np.asarray(jax.device_get(fn([leaves[i] for i in resident])))))
+    for i in (i for i, h in enumerate(on_host) if h):
+        x = leaves[i]
+        rows[i] = np.asarray(jax.device_get(fn([jax.device_put(x, x.sharding.with_memory_kind("device"))])))[0]
+    return np.stack([rows[i] for i in range(len(leaves))]) if leaves else np.asarray(jax.device_get(fn([])))
+
+
 def state_digest(state: Any) -> dict[str, str]:
     """``{leaf path: "xxxxxxxx-xxxxxxxx"}``, a checksum of every leaf's bits (reduced on the device)."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    sums = np.asarray(jax.device_get(_leaf_digests([x for _, x in paths_leaves])))
+    sums = reduce_leaves(_leaf_digests, [x for _, x in paths_leaves])
     return {jax.tree_util.keystr(p): f"{int(a):08x}-{int(b):08x}" for (p, _), (a, b) in zip(paths_leaves, sums)}
 
 

@@ -185,6 +185,7 @@ class TrainConfig:
     compute_dtype: ComputeDtype = ComputeDtype.BFLOAT16
     remat: bool = False
     logits_chunk: int | None = 1024  # LM head + log-softmax this many tokens at a time (trainer.head_logprobs)
+    offload_optimizer: bool = False  # AdamW's moments in host memory, streamed a layer at a time (one device)
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -337,7 +338,8 @@ class RLConfig:
         """The trainer's static configuration (loss, optimizer, micro-batches, dtype, remat)."""
         return TrainerConfig(loss=self.algorithm.loss, optimizer=self.optimizer,
                              micro_batches=self.trainer.micro_batches, compute_dtype=self.trainer.compute_dtype,
-                             remat=self.trainer.remat, logits_chunk=self.trainer.logits_chunk)
+                             remat=self.trainer.remat, logits_chunk=self.trainer.logits_chunk,
+                             offload_optimizer=self.trainer.offload_optimizer)
 
     def train_policy(self) -> MatmulPolicy:
         """The trainer's matmul policy: FP8 GEMMs forward and backward with ``precision.train_fp8``

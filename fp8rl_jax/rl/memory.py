@@ -22,7 +22,8 @@ Terms (per device; ``P_dev`` = a device's share of the parameters under the trai
 experts; a rule that cannot split replicates, and is counted replicated):
 
 * masters ``4 P_dev``; AdamW ``8 P_dev`` (``mu``, ``nu`` float32; with ``offload_optimizer`` they live
-  in host memory and the update streams two leaves' worth through the device);
+  in host memory and the update streams them through the device a decoder layer at a time, ``rl.offload``:
+  two layers' moments on the device, one in use and the next arriving);
 * gradients ``8 P_dev``: the float32 accumulator of the micro-batch ``scan``, and as much again for
   one micro-batch's gradient or the optimizer's update tree (both transient, not at once);
 * compute copy ``2 P_dev`` (BF16), and under FSDP 2 x the largest layer gathered (one in use, one
@@ -119,7 +120,7 @@ TERMS: dict[str, str] = {  # term -> its row label in the table
     "gathered": "FSDP-gathered weights (2 layers)",
     "activations": "activations of one micro-batch",
     "batch": "batch arrays (tokens, masks, routing)",
-    "offload_stream": "optimizer state streamed from host",
+    "offload_stream": "optimizer moments streamed from host (2 layers)",
     "sync_copy": "weights handed to the generator",
     "generator": "generator weight copy",
     "kv_pool": "KV pool",
@@ -127,6 +128,8 @@ TERMS: dict[str, str] = {  # term -> its row label in the table
     "vllm": "vLLM (rollout.vllm_memory)",
     "reserve": "runtime reserve (CUDA, XLA, NCCL)",
 }
+# keeping AdamW's moments in host memory (one device: rl.offload); the run's key, and fp8rl plan's flag
+OFFLOAD_FIX = "trainer.offload_optimizer=true (fp8rl plan --offload-optimizer)"
 PRESET_GROUP = "fp8rl_jax.presets"  # entry-point group naming the RL presets (pyproject.toml)
 
 
@@ -340,11 +343,13 @@ class MemoryPlan:
         if term == "kv_pool":
             if room <= 0:
                 return "nothing is left for any KV pool: " + self._fix("optimizer", 0)
+            offload = "" if self.offload_optimizer or self.devices > 1 else f"{OFFLOAD_FIX}, "
             return (f"lower rollout.engine.kv_budget_gib to {room / GIB:.2f} or less (or set "
-                    "rollout.engine.kv_budget_fraction), or free the trainer's state: --offload-optimizer, more "
-                    f"devices or parallel.fsdp (now {m.fsdp})")
+                    f"rollout.engine.kv_budget_fraction), or free the trainer's state: {offload}more devices or "
+                    f"parallel.fsdp (now {m.fsdp})")
         if term in ("masters", "optimizer", "gradients", "compute_copy", "gathered", "offload_stream"):
-            offload = "" if self.offload_optimizer or term == "gathered" else ", or --offload-optimizer"
+            offload = ("" if self.offload_optimizer or self.devices > 1 or term == "gathered"
+                       else f", or {OFFLOAD_FIX}")
             return f"{more} or shard wider with parallel.fsdp (now {m.fsdp}){offload}"
         if term == "activations":
             rows = f"one micro-batch row of {self.seq_len} tokens does not fit"
@@ -419,15 +424,17 @@ def _check(cfg: RLConfig, devices: int, hbm_bytes: int) -> tuple[MeshConfig, int
     return mesh, batch // shards
 
 
-def plan_memory(cfg: RLConfig, devices: int, hbm_bytes: int, *, offload_optimizer: bool = False,
+def plan_memory(cfg: RLConfig, devices: int, hbm_bytes: int, *, offload_optimizer: bool | None = None,
                 choose_micro_batches: bool = True, name: str = "") -> MemoryPlan:
     """The :class:`MemoryPlan` of ``cfg`` on ``devices`` devices of ``hbm_bytes`` each (pure: shapes only).
 
     ``choose_micro_batches``: pick the largest micro-batches that fit (else plan
-    ``trainer.micro_batches`` as configured, for both passes). Raises ``ConfigError`` for a mesh that
+    ``trainer.micro_batches`` as configured, for both passes). ``offload_optimizer`` (default
+    ``trainer.offload_optimizer``) plans AdamW's moments in host memory (``rl.offload``). Raises ``ConfigError`` for a mesh that
     does not divide the heads, experts or batch, fewer than one device or no HBM."""
     mesh, per_dev = _check(cfg, devices, hbm_bytes)
     m, eng, tr = cfg.model, cfg.rollout.engine, cfg.trainer
+    offload_optimizer = tr.offload_optimizer if offload_optimizer is None else offload_optimizer
     gt, T = cfg.parallel.generator_tensor, eng.max_seq_len
     c = jnp.dtype(tr.compute_dtype.value).itemsize
     masters_tree = abstract_params(m, jnp.float32)
@@ -477,8 +484,8 @@ def plan_memory(cfg: RLConfig, devices: int, hbm_bytes: int, *, offload_optimize
     sleep = cfg.rollout.sleep_while_training and not vllm
     awake = {} if sleep else gen
     stream = {}
-    if offload_optimizer:  # two leaves' mu + nu on the device at a time
-        stream["offload_stream"] = 2 * 2 * max(leaves.values())
+    if offload_optimizer:  # one group's mu + nu on the device at a time, and the next one's arriving
+        stream["offload_stream"] = 2 * 2 * max(groups.values()) * 4 // c
 
     def update(rows: int) -> dict[str, int]:
         acts = train_activation_bytes(m, rows, T, remat=tr.remat, logits_chunk=tr.logits_chunk, itemsize=c,
@@ -557,7 +564,8 @@ def add_plan_arguments(p: Any) -> None:
     p.add_argument("--hbm-gib", type=float, required=True, help="HBM per device in GiB (what JAX may use)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, as everywhere (e.g. parallel.tensor=8); repeatable")
-    p.add_argument("--offload-optimizer", action="store_true", help="plan AdamW's mu/nu in host memory")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="plan AdamW's mu/nu in host memory (sets trainer.offload_optimizer)")
     p.add_argument("--table", action="store_true", help="print the table also when the run does not fit")
     p.set_defaults(func=plan_command)
 
@@ -567,8 +575,8 @@ def plan_command(args: Any) -> int:
     (naming what does not fit and what to change) and exit status 2. Bad input exits 2 the same way."""
     try:
         cfg = override(load_preset(args.preset), args.set)
-        plan = plan_memory(cfg, args.devices, int(args.hbm_gib * GIB), offload_optimizer=args.offload_optimizer,
-                           name=args.preset)
+        plan = plan_memory(cfg, args.devices, int(args.hbm_gib * GIB),
+                           offload_optimizer=args.offload_optimizer or cfg.trainer.offload_optimizer, name=args.preset)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

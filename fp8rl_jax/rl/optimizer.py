@@ -43,15 +43,20 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
+def optimizer_parts(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
+    """The two stages of :func:`make_optimizer`: the global-norm clip (None without ``max_grad_norm``) and AdamW,
+    which is elementwise per leaf (what ``rl.offload`` streams a group at a time)."""
+    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        mask=_decay_mask)
+    return (None if cfg.max_grad_norm is None else optax.clip_by_global_norm(cfg.max_grad_norm)), adamw
+
+
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     """``clip_by_global_norm(max_grad_norm)`` then AdamW on :func:`lr_schedule`:
     ``g <- g min(1, c / ||g||)``; ``m, v`` Adam moments with bias correction;
     ``p <- p - lr_k (m_hat / (sqrt(v_hat) + eps) + wd p)`` (``wd`` on matrices only)."""
-    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                        mask=_decay_mask)
-    if cfg.max_grad_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+    clip, adamw = optimizer_parts(cfg)
+    return adamw if clip is None else optax.chain(clip, adamw)
 
 
-__all__ = ["lr_schedule", "make_optimizer"]
+__all__ = ["lr_schedule", "make_optimizer", "optimizer_parts"]

@@ -132,6 +132,9 @@ def make_sharded_train_step(model_config: ModelConfig, policy: MatmulPolicy, tra
     (donated) and the batch split on ``B``. ``optimizer`` defaults to
     ``make_optimizer(trainer_config.optimizer)``; build the state with the same one
     (``init_train_state``) and place it with :func:`shard_train_state` or ``ShardedTrainStep.place``."""
+    if trainer_config.offload_optimizer:
+        raise ValueError("trainer.offload_optimizer is for a single-device trainer; on a mesh, shard the optimizer "
+                         "state wider with parallel.fsdp instead")
     if optimizer is None:
         optimizer = make_optimizer(trainer_config.optimizer)
     abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, jnp.zeros((2,), jnp.uint32)),

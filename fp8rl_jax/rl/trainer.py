@@ -283,6 +283,9 @@ def make_train_step(model_config: ModelConfig, policy: MatmulPolicy, trainer_con
     """``train_step`` with everything static bound, jitted with the state donated (do not use
     a state after passing it in). ``optimizer`` defaults to ``make_optimizer(trainer_config.optimizer)``;
     build the state with the same one."""
+    if trainer_config.offload_optimizer:
+        raise ValueError("trainer_config.offload_optimizer keeps AdamW's moments in host memory, which this step "
+                         "does not stream: use fp8rl_jax.rl.offload.make_step")
     if optimizer is None:
         optimizer = make_optimizer(trainer_config.optimizer)
     fn = functools.partial(train_step, model_config=model_config, policy=policy, trainer_config=trainer_config,

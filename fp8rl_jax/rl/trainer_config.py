@@ -143,6 +143,7 @@ class TrainerConfig:
     compute_dtype: ComputeDtype = ComputeDtype.BFLOAT16
     remat: bool = False  # recompute each decoder layer in the backward pass
     logits_chunk: int | None = 1024  # LM head + log-softmax over this many tokens at a time (None: all)
+    offload_optimizer: bool = False  # AdamW's moments in host memory, streamed a layer at a time (rl.offload)
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -46,7 +46,8 @@ from fp8rl_jax.rl.generator import make_generator
 from fp8rl_jax.rl.loop import MetricsLogger, Task, rl_step
 from fp8rl_jax.rl.memory import PHASES, TERMS, check_fits, device_bytes_limit, plan_memory
 from fp8rl_jax.rl.sharded import init_sharded_state, make_mesh_trainer
-from fp8rl_jax.rl.trainer import init_train_state, make_logprob_fn, make_optimizer, make_train_step
+from fp8rl_jax.rl.offload import make_step, offload_moments
+from fp8rl_jax.rl.trainer import init_train_state, make_logprob_fn, make_optimizer
 from fp8rl_jax.tasks import Example
 
 STAGES = ("time/rollout_s", "time/trainer_logprobs_s", "time/update_s", "time/weight_sync_s")
@@ -92,6 +93,7 @@ class BenchConfig:
     devices: int = 1  # 0: every device
     tensor: int = 1
     generator_tensor: int = 1
+    offload_optimizer: bool = False  # AdamW's moments in host memory (one device)
 
     def __post_init__(self) -> None:
         if min(self.prompts, self.samples, self.prompt_len, self.max_new, self.micro_batches) < 1 or self.steps < 2:
@@ -111,7 +113,8 @@ class BenchConfig:
                                            max_slots=self.max_slots, page_size=16, kv_budget_gib=self.kv_gib,
                                            steps_per_call=self.steps_per_call, prefill_batch=self.prefill_batch)),
             optimizer=dataclasses.replace(q.optimizer, lr=self.lr),
-            trainer=dataclasses.replace(q.trainer, micro_batches=self.micro_batches, remat=self.remat),
+            trainer=dataclasses.replace(q.trainer, micro_batches=self.micro_batches, remat=self.remat,
+                                        offload_optimizer=self.offload_optimizer),
             precision=dataclasses.replace(q.precision, rollout=arm.rollout, train_fp8=arm.train_fp8),
             data=dataclasses.replace(q.data, prompts_per_step=self.prompts, steps=self.steps, eval_every=0),
             parallel=rlconfig.ParallelConfig(tensor=self.tensor, generator_tensor=self.generator_tensor),
@@ -147,9 +150,10 @@ def run_arm(cfg: BenchConfig, arm: Arm, out_dir: Path) -> dict:
         state = init_sharded_state(trainer, params, jax.random.key(cfg.seed + 1))
         train_step, logprob_fn = trainer.train_step, trainer.logprob_fn
     else:
-        optimizer = make_optimizer(rl.optimizer)
-        state = init_train_state(params, optimizer, jax.random.key(cfg.seed + 1))
-        train_step = make_train_step(model, policy, trainer_cfg, optimizer)
+        state = init_train_state(params, make_optimizer(rl.optimizer), jax.random.key(cfg.seed + 1))
+        if trainer_cfg.offload_optimizer:
+            state = offload_moments(state)
+        train_step = make_step(model, policy, trainer_cfg)
         logprob_fn = make_logprob_fn(model, policy, trainer_cfg)
     del params
     engine = make_generator(rl, model, state.params, rl.out_dir, devices)
@@ -229,7 +233,7 @@ def check_memory(cfg: BenchConfig, limit: int | None = None) -> None:
         rollout = plan_memory(cfg.rl_config(arm, Path("runs")), len(bench_devices(cfg)), limit,
                               choose_micro_batches=False).phases["rollout"]
         terms = {TERMS[k]: rollout[k] for k in ("masters", "optimizer", "generator", "kv_pool")}
-        smaller = "fewer --layers or a smaller --preset"
+        smaller = "fewer --layers or a smaller --preset" + ("" if cfg.offload_optimizer else ", or --offload-optimizer")
         check_fits(terms, limit, what=f"rl_step arm {arm.name} ({cfg.model.num_layers} layers)",
                    fixes={TERMS["kv_pool"]: "lower --kv-gib", TERMS["generator"]: smaller, TERMS["masters"]: smaller,
                           TERMS["optimizer"]: smaller})
@@ -267,6 +271,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--kv-gib", type=float, default=d.kv_gib)
     ap.add_argument("--no-remat", action="store_true")
+    ap.add_argument("--offload-optimizer", action="store_true", help="AdamW's moments in host memory (one device)")
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/rl_step"), help="the arms' metrics logs")
 
 
@@ -278,7 +283,7 @@ def config(a: argparse.Namespace) -> BenchConfig:
                        prompt_len=a.prompt_len, max_new=a.max_new, steps=a.steps, micro_batches=a.micro_batches,
                        remat=not a.no_remat, kv_gib=a.kv_gib, max_slots=a.max_slots, steps_per_call=a.steps_per_call,
                        prefill_batch=a.prefill_batch, devices=a.devices, tensor=a.tensor,
-                       generator_tensor=a.generator_tensor)
+                       generator_tensor=a.generator_tensor, offload_optimizer=a.offload_optimizer)
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -292,4 +297,4 @@ def result_name(a: argparse.Namespace) -> str:
 
 SMOKE = ["--preset", "tiny_qwen3", "--layers", "1", "--prompts", "2", "--samples", "2", "--prompt-len", "6",
          "--max-new", "4", "--steps", "2", "--micro-batches", "2", "--kv-gib", "0.0005", "--max-slots", "4",
-         "--arms", "all:fp8"]
+         "--arms", "all:fp8", "--offload-optimizer"]
