@@ -17,7 +17,7 @@ from fp8rl_jax.models import DensePolicy, Fp8Mode, bind, forward, init_params
 from fp8rl_jax.models.qwen3 import forward_with_routing, moe_layers
 from fp8rl_jax.rl.algos import mismatch_metrics
 from fp8rl_jax.rl.loop import Rollout, build_batch, with_trainer_logprobs
-from fp8rl_jax.rl.trainer import (LossConfig, TrainBatch, TrainerConfig, ComputeDtype, compute_grads,
+from fp8rl_jax.rl.trainer import (LossConfig, TrainerConfig, ComputeDtype, compute_grads,
                                   make_logprob_fn, token_logprobs)
 from fp8rl_jax.rollout.engine import EngineConfig, JaxEngine
 from fp8rl_jax.rollout.sampling import SamplingConfig
