@@ -30,7 +30,7 @@ QUICKSTART = RLConfig(
     algorithm=AlgorithmConfig(loss=LossConfig(clip_low=0.2, clip_high=0.28, agg=LossAgg.TOKEN_MEAN,
                                               correction=Correction.TOKEN_TIS, tis_cap=2.0)),
     optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0, max_grad_norm=1.0),
-    trainer=TrainConfig(),
+    trainer=TrainConfig(logits_chunk=None),  # all logits of 512 x 32 tokens over 256 entries: 16 MiB, no chunks
     precision=PrecisionConfig(rollout=Fp8Mode.ALL),
     data=DataConfig(prompts_per_step=64, steps=200, eval_every=25),
     logging=LoggingConfig(out_dir="runs/quickstart"),

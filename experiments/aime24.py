@@ -471,14 +471,16 @@ def _run(config: AimeConfig, cleanup: contextlib.ExitStack) -> RunResult:
             raise UsageError(f"--resume: {' '.join(str(e).split())}") from None
         for line in restored.messages():
             print(line)
-        state, cursor, latest = trainer.place(restored.state), restored.cursor, restored.step
+        cursor, latest, restored_path = restored.cursor, restored.step, restored.path
+        state = trainer.place(restored.state)
+        del restored  # with offload, the restored moments' device copy goes now
         start_step = int(cursor.get("step", latest))
         resumed_fp = fingerprint(state)
         n_train = cursor.get("train_examples")
         if n_train is not None and n_train != len(train):
             print(f"note: the checkpoint's training set had {n_train} prompts, this run has {len(train)}: the data "
                   "cursor points into a different order")
-        print(f"resumed from {restored.path}: step {start_step}, data cursor {cursor.get('data_cursor', 0)}")
+        print(f"resumed from {restored_path}: step {start_step}, data cursor {cursor.get('data_cursor', 0)}")
         if start_step >= cfg.data.steps:
             print(f"note: the checkpoint is at step {start_step} >= data.steps = {cfg.data.steps}; nothing to train "
                   f"(raise --set data.steps=N to continue)")

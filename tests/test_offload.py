@@ -44,16 +44,14 @@ def _memory_kinds(state) -> set[str]:
     return {x.sharding.memory_kind for k in ("mu", "nu") for x in jax.tree.leaves(tree_get(opt, k))}
 
 
-@pytest.mark.parametrize(("max_grad_norm", "value_head"), [(0.05, True), (None, False)],
-                         ids=["clipped_value_head", "unclipped"])
-def test_streamed_update_equals_the_train_step(max_grad_norm, value_head):
-    """Two offloaded steps against two steps of ``make_train_step`` from the same state and batches: params,
-    moments, step, rng and every metric agree to float32 rounding; the moments stay in host memory."""
+def test_streamed_update_equals_the_train_step():
+    """Two offloaded steps against two steps of ``make_train_step`` from the same state and batches (a value head,
+    the clip active): params, moments, step, rng and every metric agree to float32 rounding; the moments stay in
+    host memory."""
     rng = np.random.default_rng()
     params = init_params(CFG, jax.random.key(int(rng.integers(1 << 30))), jnp.float32)
-    if value_head:
-        params = with_value_head(params, CFG, jax.random.key(3), scale=1.0)
-    base = _config(False, max_grad_norm)
+    params = with_value_head(params, CFG, jax.random.key(3), scale=1.0)
+    base = _config(False)
     opt = make_optimizer(base.optimizer)
     ref_state = init_train_state(params, opt, jax.random.key(1))
     state = offload.offload_moments(init_train_state(params, opt, jax.random.key(1)))
@@ -78,6 +76,19 @@ def test_streamed_update_equals_the_train_step(max_grad_norm, value_head):
             np.testing.assert_array_equal(a, b)
     moved = jax.tree.leaves(tree_get(back.opt_state, "mu"))
     assert all(x.sharding.memory_kind == "device" for x in moved)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
+def test_adamw_state_is_found_with_and_without_the_clip(max_grad_norm):
+    """The update streams the AdamW part of ``make_optimizer``'s state (the chain's second stage with a clip, the
+    whole state without): its moments mirror the params, and putting it back gives the state unchanged."""
+    cfg = _config(True, max_grad_norm)
+    params = init_params(CFG, jax.random.key(0), jnp.float32)
+    opt_state = make_optimizer(cfg.optimizer).init(params)
+    adamw = offload._adamw_state(opt_state, max_grad_norm is not None)
+    assert jax.tree.structure(tree_get(adamw, "mu")) == jax.tree.structure(params)
+    again = offload._with_adamw_state(opt_state, adamw, max_grad_norm is not None)
+    assert jax.tree.structure(again) == jax.tree.structure(opt_state)
 
 
 def test_groups_are_layers_and_top_level_parameters():

@@ -88,7 +88,8 @@ def _grads(state: TrainState, batch: TrainBatch, *, model_config: ModelConfig, p
 def _update_group(params: list, grads: list, mu: list, nu: list, rest: Any, *,
                   adamw: optax.GradientTransformation) -> tuple[list, list, list, Any]:
     updates, new = adamw.update(grads, tree_set(rest, mu=mu, nu=nu), params)
-    return optax.apply_updates(params, updates), tree_get(new, "mu"), tree_get(new, "nu"), tree_set(new, mu=None, nu=None)
+    rest = tree_set(new, mu=None, nu=None)
+    return optax.apply_updates(params, updates), tree_get(new, "mu"), tree_get(new, "nu"), rest
 
 
 def _to(arrays: list, kind: str) -> list:

@@ -84,6 +84,7 @@ class BenchConfig:
     steps: int = 4
     micro_batches: int = 16
     remat: bool = True
+    logits_chunk: int = 1024  # LM-head tokens at a time (trainer.logits_chunk)
     kv_gib: float = 24.0
     max_slots: int = 128
     steps_per_call: int = 16
@@ -114,7 +115,7 @@ class BenchConfig:
                                            steps_per_call=self.steps_per_call, prefill_batch=self.prefill_batch)),
             optimizer=dataclasses.replace(q.optimizer, lr=self.lr),
             trainer=dataclasses.replace(q.trainer, micro_batches=self.micro_batches, remat=self.remat,
-                                        offload_optimizer=self.offload_optimizer),
+                                        logits_chunk=self.logits_chunk, offload_optimizer=self.offload_optimizer),
             precision=dataclasses.replace(q.precision, rollout=arm.rollout, train_fp8=arm.train_fp8),
             data=dataclasses.replace(q.data, prompts_per_step=self.prompts, steps=self.steps, eval_every=0),
             parallel=rlconfig.ParallelConfig(tensor=self.tensor, generator_tensor=self.generator_tensor),
@@ -297,4 +298,4 @@ def result_name(a: argparse.Namespace) -> str:
 
 SMOKE = ["--preset", "tiny_qwen3", "--layers", "1", "--prompts", "2", "--samples", "2", "--prompt-len", "6",
          "--max-new", "4", "--steps", "2", "--micro-batches", "2", "--kv-gib", "0.0005", "--max-slots", "4",
-         "--arms", "all:fp8", "--offload-optimizer"]
+         "--arms", "all:fp8"]
