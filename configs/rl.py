@@ -4,7 +4,7 @@
 ``QUICKSTART``: the CPU quickstart (tiny 2-layer Qwen3 on multi-digit addition), FP8 W8A8 + FP8
 KV rollout with token TIS. ``AIME24_QWEN3_8B`` / ``AIME24_QWEN3_30B_A3B``: the DAPO-style recipe of
 the FP8-RL paper (n = 16 samples per prompt, clip-higher 0.28, token-mean loss, TIS cap 2,
-responses up to 20k tokens, lr 1e-6), evaluated on AIME24 (avg@16) every 5 steps; the 30B-A3B
+responses up to 20k tokens with DAPO's soft overlong punishment over the last 4k, lr 1e-6), evaluated on AIME24 (avg@16) every 5 steps; the 30B-A3B
 preset adds MoE routing replay (``rollout.engine.record_routing``).
 """
 
@@ -46,7 +46,8 @@ AIME24_QWEN3_8B = RLConfig(
                                               steps_per_call=16, prefill_batch=16,
                                               stall_timeout_s=900.0)),  # a stalled decode exits (code 3); --resume restarts
     algorithm=AlgorithmConfig(loss=LossConfig(clip_low=0.2, clip_high=0.28, agg=LossAgg.TOKEN_MEAN,
-                                              correction=Correction.TOKEN_TIS, tis_cap=2.0)),
+                                              correction=Correction.TOKEN_TIS, tis_cap=2.0),
+                              overlong_buffer=4096, overlong_penalty=1.0),  # DAPO's soft overlong punishment
     optimizer=OptimizerConfig(lr=1e-6, warmup_steps=10, weight_decay=0.1, max_grad_norm=1.0),
     trainer=TrainConfig(micro_batches=64, remat=True),
     precision=PrecisionConfig(rollout=Fp8Mode.ALL),

@@ -153,8 +153,8 @@ class AimeConfig:
 
 def tiny_preset(base: rlconfig.RLConfig, model: ModelConfig, out_dir: str) -> rlconfig.RLConfig:
     """``base``'s recipe (loss, correction, FP8 rollout) on a tiny model and a CPU-sized run: 2
-    prompts x 2 samples, 8 new tokens, 192-token sequences, 4 steps, evaluation (2 samples per
-    problem) and a checkpoint every 2 steps. The KV pool (1 MiB: 256 BF16 / 512 FP8 pages of 16 tokens)
+    prompts x 2 samples, 8 new tokens (the overlong punishment over the last 2), 192-token sequences, 4
+    steps, evaluation (2 samples per problem) and a checkpoint every 2 steps. The KV pool (1 MiB: 256 BF16 / 512 FP8 pages of 16 tokens)
     holds all 16 slots at full length; a larger one would only slow the CPU's FP8 decode, whose cost
     grows with the pool. The vocabulary is set from the tokenizer at run time."""
     return dataclasses.replace(
@@ -163,6 +163,7 @@ def tiny_preset(base: rlconfig.RLConfig, model: ModelConfig, out_dir: str) -> rl
         rollout=dataclasses.replace(base.rollout, n_samples=2, max_new_tokens=8, engine=dataclasses.replace(
             base.rollout.engine, max_seq_len=192, max_slots=16, page_size=16, kv_budget_gib=0.001,
             kv_budget_fraction=0.0, steps_per_call=8, prefill_batch=16)),
+        algorithm=dataclasses.replace(base.algorithm, overlong_buffer=min(base.algorithm.overlong_buffer, 2)),
         optimizer=dataclasses.replace(base.optimizer, lr=1e-4, warmup_steps=0),
         trainer=rlconfig.TrainConfig(),
         data=rlconfig.DataConfig(prompts_per_step=2, steps=4, eval_every=2, eval_samples=2),

@@ -84,7 +84,9 @@ def test_bad_inputs_are_clear_errors(exp8b, tmp_path, capsys):
     exp30 = _load("aime24_qwen3_30b_a3b")
     rc, msg = err(exp30)
     assert rc == 2 and "Qwen3-30B-A3B folder" in msg and "huggingface-cli download Qwen/Qwen3-30B-A3B" in msg
-    assert exp30.TINY.model.num_experts > 0 and exp30.TINY.algorithm == exp30.PRESET.algorithm
+    # the recipe's algorithm, with the overlong punishment's buffer fitted to the tiny run's 8 new tokens
+    assert exp30.TINY.model.num_experts > 0 and exp30.TINY.algorithm == dataclasses.replace(
+        exp30.PRESET.algorithm, overlong_buffer=2) and exp30.PRESET.algorithm.overlong_buffer == 4096
     # MoE routing replay: the engine records the experts, the loop's batches carry them to the trainer
     assert exp30.PRESET.engine_config().record_routing and exp30.TINY.engine_config().record_routing
     assert not exp8b.PRESET.engine_config().record_routing
@@ -237,6 +239,7 @@ def test_model_path_folder_end_to_end(exp8b, tmp_path, capsys):
     train = _jsonl(tmp_path / "train.jsonl", TRAIN_ROWS)
     out = tmp_path / "run"
     sizes = ["trainer.micro_batches=1", "trainer.remat=false", "rollout.n_samples=2", "rollout.max_new_tokens=8",
+             "algorithm.overlong_buffer=2",
              "rollout.engine.max_seq_len=192", "rollout.engine.max_slots=16", "rollout.engine.kv_budget_gib=0.001",
              "rollout.engine.kv_budget_fraction=0",
              "rollout.engine.steps_per_call=8", "rollout.engine.prefill_batch=16", "optimizer.lr=1e-4", "optimizer.warmup_steps=0",

@@ -158,7 +158,8 @@ def test_error_names_the_dominant_term(sets, words):
 
 
 def test_state_dominant_and_offload():
-    short = ["rollout.engine.max_seq_len=2048", "rollout.max_new_tokens=1024", "rollout.engine.kv_budget_gib=1"]
+    short = ["rollout.engine.max_seq_len=2048", "rollout.max_new_tokens=1024", "algorithm.overlong_buffer=256",
+             "rollout.engine.kv_budget_gib=1"]
     cfg = override(AIME24_QWEN3_8B, short)
     line = plan_memory(cfg, 1, 80 * GIB).problem()
     assert "AdamW mu + nu" in line and "trainer.offload_optimizer=true" in line and "parallel.fsdp" in line

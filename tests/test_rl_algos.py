@@ -702,3 +702,61 @@ def test_eager_equals_jit():
     same(gae_advantages(values, values, mask, gamma=0.9, lam=0.8), j_gae(values, values, mask, gamma=0.9, lam=0.8))
     same(mismatch_metrics(old, roll, mask), j_mismatch(old, roll, mask))
     same(entropy_from_logits(logits), j_entropy(logits))
+
+
+def test_overlong_penalty_against_dapo_formula():
+    """DAPO's soft overlong punishment at and around the buffer's edges, against the paper's piecewise formula in
+    float64: 0 up to L_max - L_cache, ((L_max - L_cache) - L) / L_cache inside the buffer, -1 past L_max; scaled
+    by the penalty; a zero buffer punishes nothing; a buffer beyond the cap is an error."""
+    from fp8rl_jax.rl import overlong_penalty
+
+    rng = np.random.default_rng()
+    L_max = int(rng.integers(64, 512))
+    L_cache = int(rng.integers(1, L_max))
+    start = L_max - L_cache
+    lengths = np.array([0, start - 1, start, start + 1, (start + L_max) // 2, L_max - 1, L_max, L_max + 7,
+                        *rng.integers(0, L_max + 1, 16)])
+    lengths = np.clip(lengths, 0, None)
+
+    def dapo(n):
+        if n <= start:
+            return 0.0
+        if n <= L_max:
+            return (start - n) / L_cache
+        return -1.0
+
+    want = np.array([dapo(int(n)) for n in lengths])
+    for penalty in (1.0, 0.5):
+        got = np.asarray(overlong_penalty(lengths.astype(np.float64), L_max, L_cache, penalty))
+        np.testing.assert_allclose(got, penalty * want, rtol=0, atol=1e-6)  # float32 arithmetic
+    assert np.asarray(overlong_penalty(lengths, L_max, L_cache))[6] == -1.0  # exactly -penalty at the cap
+    assert not np.any(np.asarray(overlong_penalty(lengths, L_max, 0)))
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(lengths, L_max, L_max + 1)
+
+
+def test_overlong_shaping_of_a_rollout():
+    """The loop's overlong handling: the penalty follows the lengths, and the filter keeps the responses that ended
+    with EOS (truncated ones leave the loss); without the options nothing changes."""
+    import dataclasses
+
+    from fp8rl_jax.rl.config import AlgorithmConfig, ConfigError
+    from fp8rl_jax.rl.loop import Rollout, overlong_shaping
+    from fp8rl_jax.rollout.base import FinishReason, RolloutBatch
+
+    lengths = np.array([3, 8, 10, 10], np.int32)
+    finish = [FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP]
+    batch = RolloutBatch(tokens=np.zeros((4, 10), np.int32), logprobs=np.zeros((4, 10), np.float32), lengths=lengths,
+                         finish_reasons=finish)
+    ro = Rollout(prompts=[[1]] * 4, group_ids=np.array([0, 0, 1, 1], np.int32), batch=batch, seconds=1.0)
+    penalty, kept = overlong_shaping(ro, AlgorithmConfig(), max_new_tokens=10)
+    assert not penalty.any() and kept.all()
+    alg = AlgorithmConfig(overlong_buffer=4, overlong_penalty=1.0, overlong_filter=True)
+    penalty, kept = overlong_shaping(ro, alg, max_new_tokens=10)
+    np.testing.assert_allclose(penalty, [0.0, -0.5, -1.0, -1.0])
+    assert kept.tolist() == [True, True, False, True]
+    with pytest.raises(ConfigError, match="overlong"):
+        AlgorithmConfig(overlong_buffer=-1)
+    from configs.rl import QUICKSTART
+    with pytest.raises(ConfigError, match="exceeds rollout.max_new_tokens"):
+        dataclasses.replace(QUICKSTART, algorithm=dataclasses.replace(QUICKSTART.algorithm, overlong_buffer=99))

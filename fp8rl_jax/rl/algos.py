@@ -200,6 +200,18 @@ def outcome_to_token_rewards(rewards, mask) -> Array:
     return jnp.where(at_last, r[:, None], jnp.zeros((), r.dtype))
 
 
+def overlong_penalty(lengths, max_len: int, buffer: int, penalty: float = 1.0) -> Array:
+    """DAPO's soft overlong punishment, ``[B]`` to add to the outcome reward of responses of ``lengths`` tokens:
+    0 up to ``max_len - buffer`` tokens, then ``-penalty (L - (max_len - buffer)) / buffer``, reaching
+    ``-penalty`` at ``max_len`` (and staying there beyond). ``buffer = 0`` punishes nothing."""
+    if not (isinstance(buffer, int) and 0 <= buffer <= max_len):
+        raise ValueError(f"the overlong buffer must be an int in [0, max_len = {max_len}], got {buffer!r}")
+    n = _float(lengths)
+    if buffer == 0:
+        return jnp.zeros_like(n)
+    return -penalty * jnp.clip((n - (max_len - buffer)) / buffer, 0.0, 1.0)
+
+
 # --------------------------------------------------------------------------- advantages
 
 

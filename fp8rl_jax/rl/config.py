@@ -152,6 +152,12 @@ class AlgorithmConfig:
     over the batch's response tokens (PPO's whitening). The value loss weight and clip are
     ``loss.vf_coef`` / ``loss.value_clip``. ``gamma``, ``lam`` and ``whiten_advantages`` are unused
     by the GRPO estimators.
+
+    DAPO's overlong handling: ``overlong_buffer`` > 0 adds the soft overlong punishment
+    (``algos.overlong_penalty``: 0 until ``rollout.max_new_tokens - overlong_buffer`` tokens, then
+    linear down to ``-overlong_penalty`` at the cap) to every response's reward before the advantages;
+    ``overlong_filter`` masks truncated responses (no EOS within the cap) out of the loss. Reward metrics
+    report the outcome reward, unshaped.
     """
 
     estimator: AdvantageEstimator = AdvantageEstimator.GRPO
@@ -159,6 +165,9 @@ class AlgorithmConfig:
     gamma: float = 1.0  # GAE discount
     lam: float = 1.0  # GAE lambda
     whiten_advantages: bool = True  # GAE: (A - mean) / std over the batch's response tokens
+    overlong_buffer: int = 0  # tokens before rollout.max_new_tokens over which the length penalty grows (0: off)
+    overlong_penalty: float = 1.0  # the length penalty at rollout.max_new_tokens
+    overlong_filter: bool = False  # truncated responses are masked out of the loss
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -170,6 +179,9 @@ class AlgorithmConfig:
         if self.estimator is AdvantageEstimator.GAE and not self.loss.vf_coef > 0:
             raise ConfigError("algorithm.estimator gae trains a value head through algorithm.loss.vf_coef, "
                               f"which must be > 0, got {self.loss.vf_coef}")
+        if self.overlong_buffer < 0 or not self.overlong_penalty >= 0:
+            raise ConfigError(f"algorithm.overlong_buffer must be >= 0 and algorithm.overlong_penalty >= 0, got "
+                              f"{self.overlong_buffer} and {self.overlong_penalty}")
 
     @property
     def uses_value_head(self) -> bool:
@@ -317,6 +329,11 @@ class RLConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         engine = self.rollout.engine
+        if self.algorithm.overlong_buffer > self.rollout.max_new_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer = {self.algorithm.overlong_buffer} exceeds "
+                              f"rollout.max_new_tokens = {self.rollout.max_new_tokens} (the penalty grows over the "
+                              "last overlong_buffer tokens before the cap): lower algorithm.overlong_buffer, 0 to "
+                              "turn it off")
         if engine.max_seq_len > self.model.max_position_embeddings:
             raise ConfigError(f"rollout.engine.max_seq_len = {engine.max_seq_len} exceeds the model's "
                               f"max_position_embeddings = {self.model.max_position_embeddings}")

@@ -51,6 +51,7 @@ from fp8rl_jax.rl.algos import (
     gae_advantages,
     masked_whiten,
     outcome_to_token_rewards,
+    overlong_penalty,
 )
 from fp8rl_jax.rl.trainer import (
     TrainBatch,
@@ -134,6 +135,17 @@ def score(ro: Rollout, answers: Sequence[str], reward_fn: Callable[[str, str], f
     texts = [decode(t) for t in ro.batch.token_lists()]
     rewards = np.array([reward_fn(txt, answers[g]) for txt, g in zip(texts, ro.group_ids)], np.float32)
     return rewards, texts
+
+
+def overlong_shaping(ro: Rollout, alg: Any, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """DAPO's overlong handling of a rollout under ``alg`` (``AlgorithmConfig``): the length penalty ``[N]``
+    float32 added to each reward (zeros without ``overlong_buffer``; ``algos.overlong_penalty``) and which
+    responses stay in the loss ``[N]`` bool (those that ended with EOS, under ``overlong_filter``; else all)."""
+    penalty = np.asarray(overlong_penalty(ro.batch.lengths, max_new_tokens, alg.overlong_buffer, alg.overlong_penalty),
+                         np.float32)
+    kept = np.array([f is FinishReason.STOP for f in ro.batch.finish_reasons]) if alg.overlong_filter else \
+        np.ones(len(ro.batch.lengths), bool)
+    return penalty, kept
 
 
 def build_batch(ro: Rollout, rewards: np.ndarray, *, estimator: AdvantageEstimator = AdvantageEstimator.GRPO,
@@ -416,9 +428,12 @@ def rl_step(step: int, state: TrainState, *, cfg, task: Task, engine: Generator,
         # hands the new weights over and the next generate allocates the pool again
         engine.sleep(weights=True)
     rewards, _ = score(ro, [e.answer for e in examples], task.reward_fn, task.decode)
-    batch = build_batch(ro, rewards, estimator=alg.estimator)
+    penalty, kept = overlong_shaping(ro, alg, cfg.rollout.max_new_tokens)
+    batch = build_batch(ro, rewards + penalty, estimator=alg.estimator)
     batch, t_lp = timed(with_trainer_logprobs, batch, logprob_fn, state.params, gamma=alg.gamma, lam=alg.lam,
                         whiten_advantages=alg.whiten_advantages)
+    if alg.overlong_filter:
+        batch = batch.replace(loss_mask=batch.loss_mask * jnp.asarray(kept, batch.loss_mask.dtype)[:, None])
     (state, train_metrics), t_update = timed(train_step, state, batch)
     calib = {}
     if cfg.precision.kv_calibration is KvCalibration.TRAINER:
@@ -433,6 +448,10 @@ def rl_step(step: int, state: TrainState, *, cfg, task: Task, engine: Generator,
                "reward/solve_all_frac": float((groups > 0.5).all(1).mean()),
                "reward/solve_none_frac": float((groups <= 0.5).all(1).mean()),
                **ro.metrics(), "time/trainer_logprobs_s": t_lp, "time/update_s": t_update, "time/weight_sync_s": t_sync}
+    if alg.overlong_buffer:
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+    if alg.overlong_filter:
+        metrics["rollout/overlong_filtered_frac"] = float(1.0 - kept.mean())
     metrics.update({f"train/{k}" if "/" not in k else k: float(np.asarray(v)) for k, v in train_metrics.items()})
     return state, metrics
 
