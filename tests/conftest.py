@@ -30,15 +30,7 @@ collect_ignore = (["test_rewards.py"] if importlib.util.find_spec("math_verify")
                   else [])
 
 
-# The slowest test files (CPU compile time, 8-device children), slowest first: `make test` hands whole files to two
-# workers (--dist loadfile), and starting the long ones first keeps one worker from finishing alone at the end.
-SLOW_FIRST = ("test_rl_mesh", "test_bench", "test_parallel", "test_parallel_generate", "test_engine", "test_ablation",
-              "test_routing_replay", "test_fusion", "test_value_head", "test_aime_experiments", "test_cli")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(SLOW_FIRST)))  # stable: file order kept otherwise
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU; run on the device (README: GPU tests)")
