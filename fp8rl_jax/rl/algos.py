@@ -113,6 +113,8 @@ class Correction(enum.Enum):
     """Truncated IS: ``w_t = min(r_t, C)``."""
     TOKEN_MIS = "token_mis"
     """Masked IS (IcePop): ``w_t = r_t`` if ``lo <= r_t <= hi`` else 0."""
+    TOKEN_MASK = "token_mask"
+    """Token ratio mask: ``w_t = 1`` if ``lo <= r_t <= hi`` else 0 (the bounds of MIS, without the ratio)."""
     SEQ_TIS = "seq_tis"
     """Sequence truncated IS: ``w_b = min(prod_t r_t, C)`` on every token of ``b``."""
     SEQ_MASK_GEO = "seq_mask_geo"
@@ -515,7 +517,7 @@ def rollout_correction_weights(old_logp_trainer, rollout_logp, mask,
                                correction: Correction | Sequence[Correction], *, tis_cap: float = 2.0,
                                mis_low: float = 0.5, mis_high: float = 5.0, geo_low: float = 0.99,
                                geo_high: float = 1.01, kl_estimator: KLEstimator = KLEstimator.K3,
-                               kl_threshold: float = 0.1) -> tuple[Array, Metrics]:
+                               kl_threshold: float = 0.1, normalize: bool = False) -> tuple[Array, Metrics]:
     """Stop-gradient weights ``w [B, T]`` correcting the trainer/rollout-engine mismatch.
 
     ``s_t = old_logp_trainer - rollout_logp`` (log of ``r_t = pi_trainer / pi_rollout``) on
@@ -525,6 +527,7 @@ def rollout_correction_weights(old_logp_trainer, rollout_logp, mask,
     * ``TOKEN_TIS``:       ``w_t = min(r_t, C) = exp(min(s_t, log C))``, ``C = tis_cap``
       (``C = inf``: plain importance sampling ``w = r``)
     * ``TOKEN_MIS``:       ``w_t = r_t`` if ``mis_low <= r_t <= mis_high`` else 0 (IcePop keeps the ratio)
+    * ``TOKEN_MASK``:      ``w_t = 1`` if ``mis_low <= r_t <= mis_high`` else 0
     * ``SEQ_TIS``:         ``w_b = exp(min(S_b, log C))`` on all tokens of ``b``
     * ``SEQ_MASK_GEO``:    ``w_b = 1`` if ``geo_low <= exp(S_b / n_b) <= geo_high`` else 0
     * ``TOKEN_KL_REJECT``: ``w_t = 1`` if ``k_t <= kl_threshold`` else 0
@@ -535,7 +538,10 @@ def rollout_correction_weights(old_logp_trainer, rollout_logp, mask,
     thresholds compare in log space. A sequence of corrections multiplies their
     weights (e.g. ``(SEQ_TIS, SEQ_MASK_GEO)``: capped sequence IS plus geometric
     rejection). ``w = 0`` on padding. The geometric/KL defaults are illustrative; tune
-    them to the mismatch you measure with :func:`mismatch_metrics`.
+    them to the mismatch you measure with :func:`mismatch_metrics`. ``normalize`` then divides the
+    weights by their mean over every real token of the batch (``w / mean(w)``, mean 1; a batch
+    whose weights are all 0 stays 0): the correction reweights tokens against each other without
+    changing the update's overall scale. The metrics describe the weights as returned.
 
     Metrics: ``weight_mean``, ``weight_max`` (over real tokens), ``token_kept_frac``
     (real tokens with ``w > 0``), ``seq_kept_frac`` (non-empty rows with some ``w > 0``),
@@ -561,9 +567,10 @@ def rollout_correction_weights(old_logp_trainer, rollout_logp, mask,
         if c is Correction.TOKEN_TIS:
             w = w * jnp.exp(jnp.minimum(s, log_cap))
             capped = capped | (s > log_cap)
-        elif c is Correction.TOKEN_MIS:
+        elif c in (Correction.TOKEN_MIS, Correction.TOKEN_MASK):
             keep = (s >= jnp.log(jnp.asarray(mis_low, dtype))) & (s <= jnp.log(jnp.asarray(mis_high, dtype)))
-            w = w * jnp.where(keep, jnp.exp(jnp.where(keep, s, 0.0)), 0.0)
+            ratio = jnp.exp(jnp.where(keep, s, 0.0)) if c is Correction.TOKEN_MIS else jnp.ones_like(s)
+            w = w * jnp.where(keep, ratio, 0.0)
         elif c is Correction.SEQ_TIS:
             w = w * jnp.exp(jnp.minimum(S_b, log_cap))[:, None]
             capped = capped | (S_b > log_cap)[:, None]
@@ -577,7 +584,11 @@ def rollout_correction_weights(old_logp_trainer, rollout_logp, mask,
                 k = (jnp.sum(jnp.where(m, k, 0.0), axis=1) / jnp.maximum(n_b, 1.0))[:, None]
             w = w * (k <= kl_threshold).astype(dtype)
 
-    w = jax.lax.stop_gradient(jnp.where(m, w, 0.0))
+    w = jnp.where(m, w, 0.0)
+    if normalize:
+        mean = masked_mean(w, m)
+        w = jnp.where(mean > 0, w / jnp.where(mean > 0, mean, 1.0), w)
+    w = jax.lax.stop_gradient(w)
     nonempty = n_b > 0
     metrics = {
         "weight_mean": masked_mean(w, m),

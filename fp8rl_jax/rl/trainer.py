@@ -162,7 +162,8 @@ def _correction(batch: TrainBatch, lc: LossConfig) -> tuple[Array, Metrics]:
     w, cm = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs, m, lc.corrections,
                                        tis_cap=lc.tis_cap, mis_low=lc.mis_low, mis_high=lc.mis_high,
                                        geo_low=lc.geo_low, geo_high=lc.geo_high,
-                                       kl_estimator=lc.reject_kl_estimator, kl_threshold=lc.reject_kl_threshold)
+                                       kl_estimator=lc.reject_kl_estimator, kl_threshold=lc.reject_kl_threshold,
+                                       normalize=lc.correction_normalize)
     metrics = {f"correction/{k}": v for k, v in cm.items()}
     metrics["correction/truncated_frac"] = cm["capped_frac"]
     metrics["correction/masked_frac"] = jnp.where(jnp.any(m), 1.0 - cm["token_kept_frac"], 0.0)

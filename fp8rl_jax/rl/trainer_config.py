@@ -97,6 +97,7 @@ class LossConfig:
     geo_high: float = 1.01
     reject_kl_estimator: KLEstimator = KLEstimator.K3  # for the KL-rejection corrections (K2 or K3)
     reject_kl_threshold: float = 0.1
+    correction_normalize: bool = False  # the correction weights divided by their batch mean (mean 1)
     vf_coef: float = 0.5  # weight of the value loss (only with TrainBatch.returns, i.e. PPO + GAE)
     value_clip: float | None = 0.5  # eps_v of the clipped value loss (verl's cliprange_value); None: unclipped
 
