@@ -276,7 +276,7 @@ class _Trainer:
     logprob_fn: Any
     init: Any
     target: Any
-    place: Any = staticmethod(lambda state: state)
+    place: Any
 
 
 @functools.lru_cache(maxsize=4)
@@ -288,7 +288,7 @@ def _trainer(model_cfg: ModelConfig, trainer_cfg: TrainerConfig, policy: MatmulP
     if len(devices) > 1:
         mt = make_mesh_trainer(model_cfg, policy, trainer_cfg, make_mesh(mesh_cfg, devices))
         return _Trainer(mt.optimizer, mt.train_step, mt.logprob_fn, functools.partial(init_sharded_state, mt),
-                        functools.partial(abstract_sharded_state, mt, model_cfg))
+                        functools.partial(abstract_sharded_state, mt, model_cfg), lambda state: state)
     optimizer = make_optimizer(trainer_cfg.optimizer)
     place = offload_moments if trainer_cfg.offload_optimizer else (lambda state: state)
 

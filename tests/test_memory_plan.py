@@ -163,11 +163,10 @@ def test_state_dominant_and_offload():
     cfg = override(AIME24_QWEN3_8B, short)
     line = plan_memory(cfg, 1, 80 * GIB).problem()
     assert "AdamW mu + nu" in line and "trainer.offload_optimizer=true" in line and "parallel.fsdp" in line
-    on_host = plan_memory(cfg, 1, 80 * GIB, offload_optimizer=True)
+    on_host = plan_memory(override(cfg, ["trainer.offload_optimizer=true"]), 1, 80 * GIB)
     assert on_host.phases["rollout"]["optimizer"] == 0 and on_host.host_bytes == 2 * 4 * dense_8b()["total"]
     # two groups' mu + nu in float32: the largest group is the embedding (or the lm_head), V x D
     assert on_host.phases["update"]["offload_stream"] == 2 * 2 * 151_936 * 4096 * 4
-    assert plan_memory(override(cfg, ["trainer.offload_optimizer=true"]), 1, 80 * GIB) == on_host
     assert "offload_optimizer" not in plan_memory(cfg, 8, 10 * GIB).problem()  # one device only
 
 

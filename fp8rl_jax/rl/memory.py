@@ -104,6 +104,7 @@ from fp8rl_jax.parallel.mesh import MeshConfig
 from fp8rl_jax.parallel.rules import ShardingFallbackWarning, ShardingPreset, plan_params
 from fp8rl_jax.quant.policy import LayerPolicy, site_of
 from fp8rl_jax.rl.config import ConfigError, RLConfig, RolloutBackend, override
+from fp8rl_jax.rl.offload import group_of
 from fp8rl_jax.rl.sharded import mesh_rules
 
 GIB = 2**30
@@ -173,11 +174,6 @@ def _per_device(params: nnx.State, config: ModelConfig, mesh: MeshConfig, rules:
             size = itemsize or jnp.dtype(value.dtype).itemsize
             out[tuple(path)] = _shard_bytes(value.shape, size, spec, sizes, skip)
     return out
-
-
-def _group(path: tuple) -> tuple:
-    """The unit FSDP gathers at once: a decoder layer, or a top-level parameter."""
-    return tuple(path[:2]) if path[0] == "layers" else tuple(path[:1])
 
 
 def generator_params(config: ModelConfig, fp8_weights: bool, dtype: Any = jnp.bfloat16,
@@ -424,17 +420,17 @@ def _check(cfg: RLConfig, devices: int, hbm_bytes: int) -> tuple[MeshConfig, int
     return mesh, batch // shards
 
 
-def plan_memory(cfg: RLConfig, devices: int, hbm_bytes: int, *, offload_optimizer: bool | None = None,
-                choose_micro_batches: bool = True, name: str = "") -> MemoryPlan:
+def plan_memory(cfg: RLConfig, devices: int, hbm_bytes: int, *, choose_micro_batches: bool = True,
+                name: str = "") -> MemoryPlan:
     """The :class:`MemoryPlan` of ``cfg`` on ``devices`` devices of ``hbm_bytes`` each (pure: shapes only).
 
     ``choose_micro_batches``: pick the largest micro-batches that fit (else plan
-    ``trainer.micro_batches`` as configured, for both passes). ``offload_optimizer`` (default
-    ``trainer.offload_optimizer``) plans AdamW's moments in host memory (``rl.offload``). Raises ``ConfigError`` for a mesh that
-    does not divide the heads, experts or batch, fewer than one device or no HBM."""
+    ``trainer.micro_batches`` as configured, for both passes). ``trainer.offload_optimizer`` plans AdamW's
+    moments in host memory (``rl.offload``). Raises ``ConfigError`` for a mesh that does not divide the
+    heads, experts or batch, fewer than one device or no HBM."""
     mesh, per_dev = _check(cfg, devices, hbm_bytes)
     m, eng, tr = cfg.model, cfg.rollout.engine, cfg.trainer
-    offload_optimizer = tr.offload_optimizer if offload_optimizer is None else offload_optimizer
+    offload_optimizer = tr.offload_optimizer
     gt, T = cfg.parallel.generator_tensor, eng.max_seq_len
     c = jnp.dtype(tr.compute_dtype.value).itemsize
     masters_tree = abstract_params(m, jnp.float32)
@@ -443,9 +439,11 @@ def plan_memory(cfg: RLConfig, devices: int, hbm_bytes: int, *, offload_optimize
     full = _per_device(masters_tree, m, mesh, rules, skip="fsdp", itemsize=c)
     P_bytes = sum(leaves.values())  # 4 bytes x P_dev
     params = sum(math.prod(v.get_value().shape) for _, v in nnx.to_flat_state(masters_tree))
-    groups: dict[tuple, int] = {}
+    groups: dict[tuple, int] = {}  # the compute-dtype bytes FSDP gathers at once
+    moments: dict[tuple, int] = {}  # the float32 bytes of one group's parameters on this device
     for path, n in full.items():
-        groups[_group(path)] = groups.get(_group(path), 0) + n
+        groups[group_of(path)] = groups.get(group_of(path), 0) + n
+        moments[group_of(path)] = moments.get(group_of(path), 0) + leaves[path]
     resident = {"masters": P_bytes, "optimizer": 0 if offload_optimizer else 2 * P_bytes}
     copy = {"compute_copy": P_bytes * c // 4}
     if mesh.fsdp > 1:
@@ -485,7 +483,7 @@ def plan_memory(cfg: RLConfig, devices: int, hbm_bytes: int, *, offload_optimize
     awake = {} if sleep else gen
     stream = {}
     if offload_optimizer:  # one group's mu + nu on the device at a time, and the next one's arriving
-        stream["offload_stream"] = 2 * 2 * max(groups.values()) * 4 // c
+        stream["offload_stream"] = 2 * 2 * max(moments.values())
 
     def update(rows: int) -> dict[str, int]:
         acts = train_activation_bytes(m, rows, T, remat=tr.remat, logits_chunk=tr.logits_chunk, itemsize=c,
@@ -575,8 +573,9 @@ def plan_command(args: Any) -> int:
     (naming what does not fit and what to change) and exit status 2. Bad input exits 2 the same way."""
     try:
         cfg = override(load_preset(args.preset), args.set)
-        plan = plan_memory(cfg, args.devices, int(args.hbm_gib * GIB),
-                           offload_optimizer=args.offload_optimizer or cfg.trainer.offload_optimizer, name=args.preset)
+        if args.offload_optimizer:
+            cfg = override(cfg, ["trainer.offload_optimizer=true"])
+        plan = plan_memory(cfg, args.devices, int(args.hbm_gib * GIB), name=args.preset)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,23 +27,29 @@ import optax
 from optax.tree_utils import tree_get, tree_set
 
 from fp8rl_jax.models import MatmulPolicy, ModelConfig
-from fp8rl_jax.rl.optimizer import lr_schedule, optimizer_parts
+from fp8rl_jax.rl.optimizer import optimizer_parts
 from fp8rl_jax.rl.state import TrainBatch, TrainState
-from fp8rl_jax.rl.trainer import TRAIN_STEP_COMPILER_OPTIONS, compute_grads, make_train_step
+from fp8rl_jax.rl.trainer import TRAIN_STEP_COMPILER_OPTIONS, make_train_step, step_gradients
 from fp8rl_jax.rl.trainer_config import TrainerConfig
 
 HOST_MEMORY = "pinned_host"
 Metrics = dict[str, jax.Array]
 
 
+def group_of(path: Sequence[Any]) -> tuple:
+    """The group a parameter at ``path`` (plain keys: names and indices) is moved with: everything under one
+    decoder layer (the path up to its index), else the parameter alone. FSDP gathers the same units
+    (``rl.memory``)."""
+    cut = next((j + 1 for j, k in enumerate(path) if isinstance(k, int)), len(path))
+    return tuple(path[:cut])
+
+
 def param_groups(params: Any) -> list[list[int]]:
-    """Indices (in ``jax.tree.leaves`` order) of the leaves streamed together: everything under one decoder
-    layer (the path up to its index), or one top-level parameter."""
+    """Indices (in ``jax.tree.leaves`` order) of the leaves of each :func:`group_of` group."""
     groups: dict[tuple, list[int]] = {}
     for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
-        cut = next((j + 1 for j, k in enumerate(path)
-                    if isinstance(getattr(k, "key", getattr(k, "idx", None)), int)), len(path))
-        groups.setdefault(tuple(map(str, path[:cut])), []).append(i)
+        plain = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path]
+        groups.setdefault(group_of(plain), []).append(i)
     return list(groups.values())
 
 
@@ -75,13 +81,10 @@ def moments_to_device(state: TrainState) -> TrainState:
 
 def _grads(state: TrainState, batch: TrainBatch, *, model_config: ModelConfig, policy: MatmulPolicy,
            trainer_config: TrainerConfig, clip: optax.GradientTransformation | None) -> tuple[Any, Metrics, jax.Array]:
-    grads, metrics = compute_grads(state.params, batch, model_config=model_config, policy=policy,
-                                   trainer_config=trainer_config)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    metrics["lr"] = lr_schedule(trainer_config.optimizer)(state.step)
+    grads, metrics, rng = step_gradients(state, batch, model_config=model_config, policy=policy,
+                                         trainer_config=trainer_config)
     if clip is not None:
         grads, _ = clip.update(grads, clip.init(grads))
-    rng, _ = jax.random.split(state.rng)
     return grads, metrics, rng
 
 
@@ -143,5 +146,5 @@ def make_step(model_config: ModelConfig, policy: MatmulPolicy, trainer_config: T
     return make_train_step(model_config, policy, trainer_config)
 
 
-__all__: Sequence[str] = ("HOST_MEMORY", "OffloadedTrainStep", "make_step", "moments_to_device", "offload_moments",
-                          "param_groups")
+__all__: Sequence[str] = ("HOST_MEMORY", "OffloadedTrainStep", "group_of", "make_step", "moments_to_device",
+                          "offload_moments", "param_groups")

@@ -261,15 +261,25 @@ def train_step(state: TrainState, batch: TrainBatch, *, model_config: ModelConfi
     and ``value_explained_var`` (``1 - Var(R - V) / (Var(R) + 1e-5)``), ``V`` the values before
     this update.
     """
-    grads, metrics = compute_grads(state.params, batch, model_config=model_config, policy=policy,
-                                   trainer_config=trainer_config)
+    grads, metrics, rng = step_gradients(state, batch, model_config=model_config, policy=policy,
+                                         trainer_config=trainer_config)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    rng, _ = jax.random.split(state.rng)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    metrics["lr"] = lr_schedule(trainer_config.optimizer)(state.step)
     new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
     return new, metrics
+
+
+def step_gradients(state: TrainState, batch: TrainBatch, *, model_config: ModelConfig, policy: MatmulPolicy,
+                   trainer_config: TrainerConfig) -> tuple[nnx.State, Metrics, Array]:
+    """What a train step computes before its optimizer update: the accumulated gradients, the metrics with
+    ``grad_norm`` (before clipping) and this update's ``lr``, and the next ``rng`` (``train_step``, and
+    ``rl.offload``'s streamed update)."""
+    grads, metrics = compute_grads(state.params, batch, model_config=model_config, policy=policy,
+                                   trainer_config=trainer_config)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["lr"] = lr_schedule(trainer_config.optimizer)(state.step)
+    rng, _ = jax.random.split(state.rng)
+    return grads, metrics, rng
 
 
 # Compiler options of every train step: without XLA's latency-hiding scheduler on the GPU, which moves each
